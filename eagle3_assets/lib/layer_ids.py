@@ -1,0 +1,82 @@
+"""EAGLE-3 auxiliary layer ids, and the one conversion between their two conventions.
+
+vLLM: id i is the residual stream entering decoder layer i, i.e. HF `output_hidden_states[i]`
+(0 is the embeddings). SGLang/SpecForge: id j is the output of decoder layer j, which vLLM calls
+j + 1, so Kimi's SpecForge ids [1, 29, 57] are [2, 30, 58] in vLLM. vLLM reads only a top-level
+`eagle_aux_hidden_state_layer_ids`; a list nested in `eagle_config` (SpecForge v0.2 writes ids
+there, in SGLang convention) is silently ignored, so every reader must say which it speaks.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+VLLM_MINUS_SGLANG = 1  # vLLM id = SGLang id + 1
+KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def sglang_to_vllm(ids: Sequence[int]) -> tuple[int, ...]:
+    """SGLang/SpecForge ids (layer outputs) -> vLLM ids (layer inputs)."""
+    return tuple(i + VLLM_MINUS_SGLANG for i in ids)
+
+
+def vllm_to_sglang(ids: Sequence[int]) -> tuple[int, ...]:
+    """vLLM ids (layer inputs) -> SGLang/SpecForge ids (layer outputs)."""
+    return tuple(i - VLLM_MINUS_SGLANG for i in ids)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default when a drafter config names no ids, in vLLM convention: (2, N//2, N-3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class LayerIdSource(StrEnum):
+    """Where a drafter config's ids came from; the value names the key and its convention."""
+
+    TOP_LEVEL = "top-level eagle_aux_hidden_state_layer_ids (vLLM convention)"
+    NESTED = "eagle_config.eagle_aux_hidden_state_layer_ids (SGLang convention)"
+    DEFAULT = "absent: vLLM default (2, N//2, N-3) of the target's layer count"
+
+
+@dataclass(frozen=True)
+class AuxLayerIds:
+    """Aux layer ids in vLLM convention, and where they were read from."""
+
+    vllm: tuple[int, ...]
+    source: LayerIdSource
+
+    @property
+    def sglang(self) -> tuple[int, ...]:
+        return vllm_to_sglang(self.vllm)
+
+
+def _ids(value: object, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(i) is int for i in value):
+        raise ValueError(f"{where}: expected a list of ints, found {value!r}")
+    return tuple(value)
+
+
+def aux_layer_ids(drafter_config: dict, target_num_layers: int) -> AuxLayerIds:
+    """The ids a drafter config means, in vLLM convention. A top-level list (vLLM convention)
+    wins, as in vLLM; a nested list (SGLang convention) is converted; with neither, vLLM's
+    default for the target applies. Both present but naming different layers is an error:
+    vLLM would use the top-level ones while SpecForge trained on the nested ones."""
+    nested_config = drafter_config.get("eagle_config") or {}
+    top = drafter_config.get(KEY)
+    nested = nested_config.get(KEY)
+    if top is not None:
+        ids = _ids(top, KEY)
+        if nested is not None:
+            nested_vllm = sglang_to_vllm(_ids(nested, f"eagle_config.{KEY}"))
+            if nested_vllm != ids:
+                raise ValueError(
+                    f"{KEY}: expected the top-level ids (vLLM) to equal eagle_config's (SGLang) "
+                    f"plus one, found top-level {list(ids)} and nested {nested} "
+                    f"(= {list(nested_vllm)} in vLLM ids)"
+                )
+        return AuxLayerIds(ids, LayerIdSource.TOP_LEVEL)
+    if nested is not None:
+        return AuxLayerIds(
+            sglang_to_vllm(_ids(nested, f"eagle_config.{KEY}")), LayerIdSource.NESTED
+        )
+    return AuxLayerIds(default_aux_layers(target_num_layers), LayerIdSource.DEFAULT)

@@ -1,0 +1,271 @@
+"""Cheap, bounded probes of a vLLM server, and the readiness state machine built on them.
+
+A sensor tick must never hang or loop, so every request here has a short timeout and one
+probe is a fixed handful of requests. The state machine is pure: it takes the previous
+state and one probe and says what changed, so it is tested without a server or Dagster.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
+
+
+class Reach(StrEnum):
+    """What the transport saw, before any HTTP status is considered."""
+
+    OK = "ok"
+    REFUSED = "refused"  # nothing listens: vLLM is loading, or the process is gone
+    TIMEOUT = "timeout"  # something listens but does not answer in time
+    ERROR = "error"  # DNS, reset, malformed response...
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One look at a server: /health, then /v1/models, /version and /metrics if healthy."""
+
+    base_url: str
+    reach: Reach
+    health_status: int | None = None
+    model_ids: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    version: str | None = None
+    process_start_time: float | None = None
+    error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.reach is Reach.OK and self.health_status == 200
+
+
+def _get(url: str, timeout_s: float, api_key: str | None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def _classify(error: BaseException) -> Reach:
+    reason = getattr(error, "reason", error)
+    if isinstance(reason, ConnectionRefusedError):
+        return Reach.REFUSED
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return Reach.TIMEOUT
+    return Reach.ERROR
+
+
+def probe(base_url: str, timeout_s: float = 2.0, api_key: str | None = None) -> Probe:
+    """Probe one server; never raises for network trouble, reports it in the result."""
+    base_url = base_url.rstrip("/")
+    try:
+        status, _ = _get(f"{base_url}/health", timeout_s, api_key)
+        if status != 200:
+            return Probe(base_url, Reach.OK, health_status=status)
+        status, body = _get(f"{base_url}/v1/models", timeout_s, api_key)
+        if status != 200:
+            return Probe(
+                base_url, Reach.OK, 200, error=f"/v1/models answered {status}: {body[:200]!r}"
+            )
+        models = json.loads(body).get("data", [])
+        status, body = _get(f"{base_url}/version", timeout_s, api_key)
+        version = json.loads(body).get("version") if status == 200 else None
+        status, body = _get(f"{base_url}/metrics", timeout_s, api_key)
+        metrics = parse_metrics(body.decode()) if status == 200 else {}
+    except (urllib.error.URLError, OSError) as error:
+        return Probe(base_url, _classify(error), error=f"{type(error).__name__}: {error}")
+    except (ValueError, AttributeError) as error:
+        return Probe(base_url, Reach.ERROR, 200, error=f"malformed response: {error}")
+    start_times = metrics.get("process_start_time_seconds")
+    return Probe(
+        base_url,
+        Reach.OK,
+        health_status=200,
+        model_ids=tuple(m["id"] for m in models),
+        max_model_len=next((m.get("max_model_len") for m in models), None),
+        version=version,
+        process_start_time=next(iter(start_times.values())) if start_times else None,
+    )
+
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def fetch_metrics(
+    base_url: str, timeout_s: float = 5.0, api_key: str | None = None
+) -> dict[str, dict[Labels, float]]:
+    """The server's /metrics, parsed; counters are read as deltas around a workload."""
+    status, body = _get(f"{base_url.rstrip('/')}/metrics", timeout_s, api_key)
+    if status != 200:
+        raise RuntimeError(f"{base_url}/metrics answered {status}: {body[:200]!r}")
+    return parse_metrics(body.decode())
+
+
+def smoke_chat(
+    base_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int = 32,
+    timeout_s: float = 120.0,
+    api_key: str | None = None,
+) -> dict:
+    """One greedy chat completion: proof the server generates, not only answers /health."""
+    payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}/v1/chat/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(
+            f"{base_url} chat completion answered {error.code}: {error.read()[:300]!r}"
+        ) from error
+    choice = body["choices"][0]
+    return {
+        "text": choice["message"].get("content") or "",
+        "finish_reason": choice.get("finish_reason"),
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+        "completion_tokens": body["usage"]["completion_tokens"],
+        "latency_s": time.monotonic() - started,
+    }
+
+
+def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
+    """Prometheus text format -> {metric name: {sorted label pairs: value}}."""
+    metrics: dict[str, dict[Labels, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        if "{" in sample:
+            name, _, label_text = sample.partition("{")
+            labels = tuple(sorted(_parse_labels(label_text.rstrip("}"))))
+        else:
+            name, labels = sample, ()
+        try:
+            metrics.setdefault(name, {})[labels] = float(value)
+        except ValueError:
+            continue  # a timestamp column or an exotic line: not ours to interpret
+    return metrics
+
+
+def _parse_labels(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    while text:
+        key, _, rest = text.partition('="')
+        value, i = [], 0
+        while i < len(rest) and rest[i] != '"':
+            if rest[i] == "\\" and i + 1 < len(rest):
+                i += 1
+            value.append(rest[i])
+            i += 1
+        pairs.append((key.strip().lstrip(","), "".join(value)))
+        text = rest[i + 1 :].lstrip(",").strip()
+    return pairs
+
+
+class ServerState(StrEnum):
+    LOADING = "loading"  # refused, and never seen ready since tracking began
+    READY = "ready"  # healthy and serving the expected model
+    WRONG_MODEL = "wrong_model"  # healthy, but the expected model is not listed
+    UNRESPONSIVE = "unresponsive"  # accepts connections but does not answer in time
+    DEAD = "dead"  # 5xx from /health, or refused after it had been ready
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What the sensor remembers between ticks (its cursor) about one server."""
+
+    state: ServerState = ServerState.LOADING
+    seen_ready: bool = False
+    loading_since: float | None = None  # first not-ready sighting, for the load deadline
+    overdue: bool = False  # still loading past the deadline
+    instance_id: str | None = None  # one server start; keys the launch run
+    max_model_len: int | None = None
+    version: str | None = None
+    detail: str = ""
+    ready_count: int = 0  # ready transitions seen: the instance id of last resort
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Readiness:
+        return cls(**{**data, "state": ServerState(data["state"])})
+
+
+def advance(
+    previous: Readiness, seen: Probe, now: float, expected_model: str, load_deadline_s: float
+) -> Readiness:
+    """Fold one probe into the state; pure, so every edge is unit-testable."""
+    state, detail = _state_of(previous, seen, expected_model)
+    if state is ServerState.READY:
+        if previous.state is ServerState.READY:
+            return replace(previous, detail=detail)
+        count = previous.ready_count + 1
+        start = seen.process_start_time
+        return replace(
+            previous,
+            state=state,
+            seen_ready=True,
+            loading_since=None,
+            overdue=False,
+            instance_id=f"{seen.base_url}@{start:.0f}" if start else f"{seen.base_url}#{count}",
+            max_model_len=seen.max_model_len,
+            version=seen.version,
+            detail=detail,
+            ready_count=count,
+        )
+    waiting = state in (ServerState.LOADING, ServerState.UNRESPONSIVE) and not previous.seen_ready
+    since = previous.loading_since if previous.loading_since is not None else now
+    loading_since = since if waiting else None
+    return replace(
+        previous,
+        state=state,
+        loading_since=loading_since,
+        overdue=waiting and now - loading_since > load_deadline_s,
+        detail=detail,
+    )
+
+
+def worth_recording(previous: Readiness | None, current: Readiness) -> bool:
+    """Observations mark the first sighting and changes (state, overrun, a new server start)."""
+    return previous is None or (previous.state, previous.overdue, previous.instance_id) != (
+        current.state,
+        current.overdue,
+        current.instance_id,
+    )
+
+
+def _state_of(previous: Readiness, seen: Probe, expected_model: str) -> tuple[ServerState, str]:
+    if seen.reach is Reach.OK and seen.health_status is not None and seen.health_status >= 500:
+        return ServerState.DEAD, f"/health answered {seen.health_status}"
+    if seen.reach in (Reach.REFUSED, Reach.ERROR):
+        if previous.seen_ready:
+            return ServerState.DEAD, f"connection failed after it was ready: {seen.error}"
+        return ServerState.LOADING, "not accepting connections yet"
+    if seen.reach is Reach.TIMEOUT:
+        return ServerState.UNRESPONSIVE, f"no answer in time: {seen.error}"
+    if seen.health_status != 200:
+        return ServerState.LOADING, f"/health answered {seen.health_status}"
+    if seen.error:
+        return ServerState.UNRESPONSIVE, seen.error
+    if expected_model not in seen.model_ids:
+        return ServerState.WRONG_MODEL, (
+            f"serves {list(seen.model_ids)}, expected {expected_model!r}"
+        )
+    return ServerState.READY, f"serving {expected_model}"

@@ -1,0 +1,155 @@
+"""Resources shared by the domains: where the servers, the data, the prompts and the warm-start
+drafter are, and the generation recipe. Deployment knobs come from the environment
+(`resources_from_env`); secrets only ever through EnvVar, so they never enter config or logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import dagster as dg
+
+from eagle3_assets.lib.conversations import (
+    Conversation,
+    batch_slice,
+    load_conversations,
+    parse_batch_key,
+)
+from eagle3_assets.lib.drafter_checkpoint import TargetShape
+from eagle3_assets.lib.generation import GenerationConfig
+from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
+from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+HF_TOKEN_ENV = "HF_TOKEN"
+
+
+class VLLMServer(dg.ConfigurableResource):
+    """Attaches to running vLLM servers (one or several replicas); never starts one.
+
+    Starting belongs to the launcher: a 22-minute load must not be tied to a Dagster run.
+    """
+
+    base_urls: list[str] = [DEFAULT_BASE_URL]
+    served_model_name: str
+    api_key: str | None = None
+    probe_timeout_s: float = 2.0
+    load_deadline_s: float = 1800.0
+
+    def probe(self, base_url: str) -> Probe:
+        return probe(base_url, timeout_s=self.probe_timeout_s, api_key=self.api_key)
+
+    def metrics(self, base_url: str) -> dict[str, dict[Labels, float]]:
+        return fetch_metrics(base_url, api_key=self.api_key)
+
+    def smoke_chat(self, base_url: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+        return smoke_chat(
+            base_url, self.served_model_name, messages, max_tokens, api_key=self.api_key
+        )
+
+
+class TargetModel(dg.ConfigurableResource):
+    """The served target's own config.json: the shape every drafter must fit."""
+
+    config_path: str
+
+    def shape(self) -> TargetShape:
+        return TargetShape.from_config(Path(self.config_path))
+
+
+class Storage(dg.ConfigurableResource):
+    """The data volume: checkpoints, generations and hidden states live under one root."""
+
+    root: str = "data"
+
+    def path(self, *parts: str) -> Path:
+        return Path(self.root, *parts)
+
+
+class PromptPool(dg.ConfigurableResource):
+    """The conversations to regenerate, cut into fixed batches (batch k = items k*size...)."""
+
+    path: str
+    batch_size: int = 1000
+
+    def conversations(self) -> list[Conversation]:
+        return load_conversations(self.path)
+
+    def batch(self, key: str) -> list[Conversation]:
+        return batch_slice(self.conversations(), parse_batch_key(key), self.batch_size)
+
+
+class GenerationRecipe(dg.ConfigurableResource):
+    """How every batch is sampled. A deployment setting, not per-run config: all batches must
+    share it, and hidden-state extraction re-renders conversations with the same template
+    kwargs (e.g. Kimi's thinking flag)."""
+
+    max_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    concurrency: int = 200
+    chat_template_kwargs_json: str = "{}"
+    return_token_ids: bool = True
+    max_empty_rate: float = 0.01  # blocking check thresholds
+    max_truncated_rate: float = 0.25
+
+    def config(self) -> GenerationConfig:
+        return GenerationConfig(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            chat_template_kwargs=json.loads(self.chat_template_kwargs_json) or None,
+            return_token_ids=self.return_token_ids,
+            concurrency=self.concurrency,
+        )
+
+
+class DrafterHub(dg.ConfigurableResource):
+    """Where the warm-start drafter is published (a Hugging Face repo at a pinned revision)."""
+
+    repo_id: str
+    revision: str = "main"
+    token: str | None = None
+    cache_dir: str | None = None  # None: the client's own cache (HF_HUB_CACHE / HF_HOME)
+
+
+def _secret(name: str) -> dg.EnvVar | None:
+    return dg.EnvVar(name) if name in os.environ else None
+
+
+def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.ConfigurableResource]:
+    """Every resource, configured from EAGLE3_* variables (defaults: the demo world)."""
+    env = dict(os.environ if env is None else env)
+    world = env.get("EAGLE3_WORLD", "data/world/demo")
+    urls = env.get("EAGLE3_VLLM_URLS", DEFAULT_BASE_URL)
+    return {
+        "vllm": VLLMServer(
+            base_urls=[url.strip() for url in urls.split(",") if url.strip()],
+            served_model_name=env.get("EAGLE3_TARGET_MODEL", "target-v2"),
+            api_key=_secret(API_KEY_ENV),
+            load_deadline_s=float(env.get("EAGLE3_VLLM_LOAD_DEADLINE_S", "1800")),
+        ),
+        "target": TargetModel(config_path=env.get("EAGLE3_TARGET_CONFIG", f"{world}/target-v2")),
+        "storage": Storage(root=env.get("EAGLE3_DATA_ROOT", "data")),
+        "prompt_pool": PromptPool(
+            path=env.get("EAGLE3_PROMPTS", f"{world}/prompts.jsonl"),
+            batch_size=int(env.get("EAGLE3_BATCH_SIZE", "1000")),
+        ),
+        "generation": GenerationRecipe(
+            max_tokens=int(env.get("EAGLE3_MAX_TOKENS", "2048")),
+            temperature=float(env.get("EAGLE3_TEMPERATURE", "1.0")),
+            concurrency=int(env.get("EAGLE3_CONCURRENCY", "200")),
+            chat_template_kwargs_json=env.get("EAGLE3_CHAT_TEMPLATE_KWARGS", "{}"),
+            max_truncated_rate=float(env.get("EAGLE3_MAX_TRUNCATED_RATE", "0.25")),
+        ),
+        "drafter_hub": DrafterHub(
+            repo_id=env.get("EAGLE3_DRAFTER_REPO", "local/target-v1-eagle3"),
+            revision=env.get("EAGLE3_DRAFTER_REVISION", "main"),
+            token=_secret(HF_TOKEN_ENV),
+            cache_dir=env.get("EAGLE3_HF_CACHE"),
+        ),
+    }

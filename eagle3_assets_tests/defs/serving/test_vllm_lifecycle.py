@@ -1,0 +1,115 @@
+"""One real vLLM (CPU build) server through its whole life, watched by the readiness sensor:
+loading; ready, with ONE launch run through the real daemon in which the drafter download and
+the first batch run side by side; stopped: dead, and no process left behind."""
+
+import dataclasses
+import time
+
+import dagster as dg
+import pytest
+
+from eagle3_assets.defs.serving.sensors import vllm_readiness_sensor
+from eagle3_assets.lib.vllm_launcher import group_members, start, stop, wait_ready
+from eagle3_assets.localdev.demo import (
+    SERVED_TARGET_NAME,
+    follow_launch,
+    miniature_env,
+    miniature_server,
+    running_daemon,
+)
+from eagle3_assets.resources import VLLMServer
+from eagle3_assets_tests.conftest import free_port
+
+pytestmark = pytest.mark.vllm
+
+
+def step_spans(instance: dg.DagsterInstance, run_id: str) -> dict[str, dict[str, float]]:
+    """step key -> {event type: timestamp}, from the run's event log."""
+    spans: dict[str, dict[str, float]] = {}
+    for record in instance.all_logs(run_id):
+        event = record.dagster_event
+        if event and event.step_key:
+            spans.setdefault(event.step_key, {})[event.event_type_value] = record.timestamp
+    return spans
+
+
+def test_sensor_follows_a_real_vllm_server(
+    test_world, test_hub, serving_python, dagster_home, tmp_path
+):
+    spec = miniature_server(
+        test_world.target_v2, tmp_path / "vllm", free_port(), SERVED_TARGET_NAME
+    )
+    spec = dataclasses.replace(spec, python=serving_python)
+    vllm = VLLMServer(base_urls=[spec.base_url], served_model_name=SERVED_TARGET_NAME)
+    cursor = None
+
+    def tick(instance) -> dg.SensorResult:
+        nonlocal cursor
+        context = dg.build_sensor_context(
+            instance=instance, cursor=cursor, resources={"vllm": vllm}
+        )
+        result = vllm_readiness_sensor(context)
+        cursor = result.cursor
+        return result
+
+    pgid = start(spec)
+    try:
+        with dg.instance_for_test() as scratch:
+            loading = tick(scratch)
+            assert [e.metadata["state"].value for e in loading.asset_events] == ["loading"]
+            assert loading.run_requests == []
+
+            wait_ready(spec, timeout_s=600)
+            ready = tick(scratch)
+            (observation,) = ready.asset_events
+            meta = {k: v.value for k, v in observation.metadata.items()}
+            assert meta["state"] == "ready"
+            assert meta["max_model_len"] == 1024
+            assert meta["vllm_version"] == "0.32.0"
+            assert meta["instance_id"].startswith(f"{spec.base_url}@")
+            (request,) = ready.run_requests
+            assert request.partition_key == "batch-00000"
+            (registration,) = ready.dynamic_partitions_requests
+            assert list(registration.partition_keys) == ["batch-00000"]
+            again = tick(scratch)
+            assert again.run_requests == [] and again.asset_events == []
+
+        # The same server through Dagster's real daemon: the observation lands in the event
+        # log, and the launch run downloads the drafter and generates the first batch at once.
+        env = miniature_env(
+            test_world.root, test_hub, spec.base_url, tmp_path / "data", SERVED_TARGET_NAME
+        )
+        with (
+            running_daemon(dagster_home, env, tmp_path / "daemon.log"),
+            dg.DagsterInstance.get() as instance,
+        ):
+            run = follow_launch(instance, time.monotonic(), timeout_s=300, say=print)
+            log = (tmp_path / "daemon.log").read_text()
+            assert run.status == dg.DagsterRunStatus.SUCCESS, log
+            assert run.tags["dagster/partition"] == "batch-00000"
+            spans = step_spans(instance, run.run_id)
+            recorded = instance.fetch_observations(dg.AssetKey("vllm_server"), limit=10)
+            done = instance.get_materialized_partitions(dg.AssetKey("synthetic_generations"))
+            checkpoint = instance.get_latest_materialization_event(
+                dg.AssetKey("drafter_checkpoint")
+            )
+        assert [r.asset_observation.metadata["state"].value for r in recorded.records] == ["ready"]
+        assert done == {"batch-00000"}
+        assert checkpoint.run_id == run.run_id
+        # Side by side: each step's process was launched before the other step finished. (The
+        # offline copy of a tiny drafter takes half a second, shorter than a step process's
+        # start-up, so its STEP_START..STEP_SUCCESS rarely meets the batch's; at scale the
+        # download takes many minutes and the intervals overlap for most of it.)
+        download, batch = spans["drafter_checkpoint"], spans["synthetic_generations"]
+        assert download["STEP_WORKER_STARTING"] < batch["STEP_SUCCESS"], spans
+        assert batch["STEP_WORKER_STARTING"] < download["STEP_SUCCESS"], spans
+    finally:
+        stop(spec.run_dir, grace_s=30)
+
+    assert group_members(pgid) == []  # API server, engine core and workers: all gone
+    with dg.instance_for_test() as scratch:
+        dead = tick(scratch)
+    (observation,) = dead.asset_events
+    assert observation.metadata["state"].value == "dead"
+    assert "after it was ready" in observation.metadata["detail"].value
+    assert dead.run_requests == []

@@ -1,0 +1,35 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from eagle3_assets.definitions import defs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_definitions_load_with_the_expected_graph():
+    definitions = defs()
+    dg.Definitions.validate_loadable(definitions)
+    graph = definitions.resolve_asset_graph()
+    keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
+    assert keys == {"vllm_server", "served_target", "drafter_checkpoint", "synthetic_generations"}
+    assert not graph.get(dg.AssetKey("vllm_server")).is_materializable  # external: observed only
+    assert graph.get(dg.AssetKey("served_target")).parent_keys == {dg.AssetKey("vllm_server")}
+    assert definitions.resolve_job_def("launch").asset_layer.selected_asset_keys == {
+        dg.AssetKey("drafter_checkpoint"),
+        dg.AssetKey("synthetic_generations"),
+    }
+    sensor = definitions.resolve_sensor_def("vllm_readiness_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    assert sensor.job_name == "launch"
+
+
+def test_dg_check_defs_passes(dagster_home):
+    dg_cli = Path(sys.executable).parent / "dg"
+    result = subprocess.run(
+        [str(dg_cli), "check", "defs"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All definitions loaded successfully" in result.stdout + result.stderr
