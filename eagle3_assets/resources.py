@@ -19,6 +19,7 @@ from eagle3_assets.lib.conversations import (
 )
 from eagle3_assets.lib.drafter_checkpoint import TargetShape
 from eagle3_assets.lib.generation import GenerationConfig
+from eagle3_assets.lib.hub_files import local_file
 from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
 from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
 
@@ -69,13 +70,18 @@ class Storage(dg.ConfigurableResource):
 
 
 class PromptPool(dg.ConfigurableResource):
-    """The conversations to regenerate, cut into fixed batches (batch k = items k*size...)."""
+    """The conversations to regenerate, cut into fixed batches (batch k = items k*size...).
+
+    `path`: a local JSONL/Parquet file, or `hf://datasets/<org>/<name>/<file>[@<revision>]`.
+    """
 
     path: str
     batch_size: int = 1000
+    cache_dir: str | None = None  # hub cache for hf:// paths
+    token: str | None = None
 
     def conversations(self) -> list[Conversation]:
-        return load_conversations(self.path)
+        return load_conversations(local_file(self.path, self.cache_dir, self.token))
 
     def batch(self, key: str) -> list[Conversation]:
         return batch_slice(self.conversations(), parse_batch_key(key), self.batch_size)
@@ -138,6 +144,8 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.Config
         "prompt_pool": PromptPool(
             path=env.get("EAGLE3_PROMPTS", f"{world}/prompts.jsonl"),
             batch_size=int(env.get("EAGLE3_BATCH_SIZE", "1000")),
+            cache_dir=env.get("EAGLE3_HF_CACHE"),
+            token=_secret(HF_TOKEN_ENV),
         ),
         "generation": GenerationRecipe(
             max_tokens=int(env.get("EAGLE3_MAX_TOKENS", "2048")),

@@ -12,7 +12,6 @@ reports every problem at once as "field: expected X, found Y", before anything t
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import filter_repo_objects
 from safetensors import safe_open
 
+from eagle3_assets.lib.hub_files import hub_cache_dir, hub_offline
 from eagle3_assets.lib.layer_ids import LayerIdSource, aux_layer_ids
 
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
@@ -51,20 +51,6 @@ class DrafterValidationError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- download
-
-
-def _offline() -> bool:
-    """HF_HUB_OFFLINE as set now: huggingface_hub reads it once, at import."""
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _default_cache_dir() -> str | None:
-    """HF_HUB_CACHE or HF_HOME/hub as set now; None lets huggingface_hub use its own default."""
-    if "HF_HUB_CACHE" in os.environ:
-        return os.environ["HF_HUB_CACHE"]
-    if "HF_HOME" in os.environ:
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    return None
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -109,7 +95,7 @@ def download_drafter(
     times, waiting backoff_s * 2**attempt; a missing repo or revision (offline: one not in the
     cache) fails at once. HF_HUB_OFFLINE, HF_HUB_CACHE and HF_HOME are read at call time."""
     where = f"drafter {repo_id!r} at revision {revision!r}"
-    offline, cache = _offline(), cache_dir or _default_cache_dir()
+    offline, cache = hub_offline(), cache_dir or hub_cache_dir()
     for attempt in range(retries + 1):
         try:
             snapshot = Path(

@@ -119,7 +119,9 @@ def make_untrained_drafter(
     return out_dir
 
 
-def publish_to_hub_cache(repo_dir: Path, cache_dir: Path, repo_id: str) -> str:
+def publish_to_hub_cache(
+    repo_dir: Path, cache_dir: Path, repo_id: str, repo_type: str = "model"
+) -> str:
     """Lay out every file of `repo_dir` as revision `main` of model `repo_id` in a Hugging Face
     hub cache (blobs/, snapshots/<sha>/ symlinks, refs/main) and return the commit sha, a
     hash of the files' names and contents, so republishing the same files is a no-op."""
@@ -130,7 +132,7 @@ def publish_to_hub_cache(repo_dir: Path, cache_dir: Path, repo_id: str) -> str:
     listing = "".join(f"{name}\0{digest.hexdigest()}\n" for name, digest in digests.items())
     sha = hashlib.sha1(listing.encode()).hexdigest()
 
-    repo = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+    repo = cache_dir / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
     for name, digest in digests.items():
         blob = repo / "blobs" / digest.hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,51 @@
+"""Hugging Face hub settings read at call time, and dataset files named by `hf://` paths.
+
+huggingface_hub reads HF_HUB_OFFLINE and HF_HUB_CACHE once, at import; a pipeline (and a
+test) that sets them later must pass them explicitly, which these helpers do.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HF_DATASETS = "hf://datasets/"
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as set now."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_cache_dir() -> str | None:
+    """HF_HUB_CACHE or HF_HOME/hub as set now; None lets huggingface_hub use its default."""
+    if "HF_HUB_CACHE" in os.environ:
+        return os.environ["HF_HUB_CACHE"]
+    if "HF_HOME" in os.environ:
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
+def local_file(source: str, cache_dir: str | None = None, token: str | None = None) -> Path:
+    """A local path as it is; `hf://datasets/<org>/<name>/<file>[@<revision>]` downloaded with
+    `hf_hub_download` (one file, into the hub cache) and returned as its local path."""
+    if not source.startswith(HF_DATASETS):
+        return Path(source)
+    from huggingface_hub import hf_hub_download
+
+    spec, _, revision = source[len(HF_DATASETS) :].partition("@")
+    parts = spec.split("/", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"{source!r}: expected hf://datasets/<org>/<name>/<file>[@<revision>]")
+    org, name, filename = parts
+    return Path(
+        hf_hub_download(
+            f"{org}/{name}",
+            filename,
+            repo_type="dataset",
+            revision=revision or None,
+            cache_dir=cache_dir or hub_cache_dir(),
+            token=token,
+            local_files_only=hub_offline(),
+        )
+    )
