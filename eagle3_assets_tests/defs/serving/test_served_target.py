@@ -23,3 +23,13 @@ def test_served_target_fails_on_the_wrong_model(vllm_target):
     assert not result.success
     message = str(result.get_step_failure_events()[0].event_specific_data.error)
     assert "does not serve 'kimi-k2.5'" in message and "target-v2" in message
+
+
+def test_metrics_count_the_smoke_request(vllm_target):
+    vllm = VLLMServer(base_urls=[vllm_target.base_url], served_model_name="target-v2")
+    before = vllm.metrics(vllm_target.base_url)
+    vllm.smoke_chat(vllm_target.base_url, [{"role": "user", "content": "Hi"}], max_tokens=4)
+    after = vllm.metrics(vllm_target.base_url)
+    finished = "vllm:request_success_total"
+    assert sum(after[finished].values()) - sum(before.get(finished, {}).values()) == 1
+    assert after["vllm:generation_tokens_total"] and after["process_start_time_seconds"]
