@@ -24,6 +24,19 @@ def requests_served(base_url: str) -> float:
     return sum(fetch_metrics(base_url)["vllm:request_success_total"].values())
 
 
+def wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
+    """Let the killed run's last in-flight request finish (or abort) before counting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = fetch_metrics(base_url)
+        busy = sum(metrics["vllm:num_requests_running"].values())
+        busy += sum(metrics["vllm:num_requests_waiting"].values())
+        if busy == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("vLLM still busy with the killed run's requests")
+
+
 def batch_ids(env: dict[str, str], key: str) -> list[str]:
     return [c.prompt_id for c in resources_from_env(env)["prompt_pool"].batch(key)]
 
@@ -95,6 +108,7 @@ def test_kill_minus_9_mid_batch_then_resume(pipeline_env, dagster_home, vllm_tar
     }  # fmt: skip
     assert 0 < len(persisted) < 16
 
+    wait_idle(vllm_target.base_url)
     before = requests_served(vllm_target.base_url)
     with dg.DagsterInstance.get() as instance:
         release_killed_runs(instance)
