@@ -152,11 +152,10 @@ def start(spec: VLLMLaunchSpec) -> int:
             f"port {spec.port} on {spec.host} is already in use; refusing to start a second "
             f"server there (pick another --port or stop whatever listens on it)"
         )
-    python = Path(build_command(spec)[0])
-    if not python.exists():
-        raise LaunchError(f"serving interpreter not found: {python} (create the serving venv)")
-    spec.run_dir.mkdir(parents=True, exist_ok=True)
     cmd = build_command(spec)
+    if not Path(cmd[0]).exists():
+        raise LaunchError(f"serving interpreter not found: {cmd[0]} (create the serving venv)")
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
     with open(spec.log_file, "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
         log.flush()

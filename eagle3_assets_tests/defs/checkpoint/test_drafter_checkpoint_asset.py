@@ -13,7 +13,7 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def resources(test_world, test_hub, tmp_path, target_dir, revision="main"):
+def resources(test_hub, tmp_path, target_dir, revision="main"):
     return {
         "drafter_hub": DrafterHub(
             repo_id=LOCAL_DRAFTER_REPO, revision=revision, cache_dir=str(test_hub)
@@ -26,7 +26,7 @@ def resources(test_world, test_hub, tmp_path, target_dir, revision="main"):
 def test_downloads_and_validates(test_world, test_hub, tmp_path, offline):
     result = dg.materialize(
         [drafter_checkpoint],
-        resources=resources(test_world, test_hub, tmp_path, test_world.target_v2),
+        resources=resources(test_hub, tmp_path, test_world.target_v2),
     )
     assert result.success
     (event,) = result.get_asset_materialization_events()
@@ -44,7 +44,7 @@ def test_downloads_and_validates(test_world, test_hub, tmp_path, offline):
 def test_unknown_revision_fails_with_repo_and_revision(test_world, test_hub, tmp_path, offline):
     result = dg.materialize(
         [drafter_checkpoint],
-        resources=resources(test_world, test_hub, tmp_path, test_world.target_v2, "v9"),
+        resources=resources(test_hub, tmp_path, test_world.target_v2, "v9"),
         raise_on_error=False,
     )
     assert not result.success
@@ -61,7 +61,7 @@ def test_shape_mismatch_names_field_expected_and_found(test_world, test_hub, tmp
     )
     result = dg.materialize(
         [drafter_checkpoint],
-        resources=resources(test_world, test_hub, tmp_path, wrong_target),
+        resources=resources(test_hub, tmp_path, wrong_target),
         raise_on_error=False,
     )
     assert not result.success
