@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -17,11 +18,13 @@ from eagle3_assets.lib.conversations import (
     load_conversations,
     parse_batch_key,
 )
-from eagle3_assets.lib.drafter_checkpoint import TargetShape
-from eagle3_assets.lib.generation import GenerationConfig
 from eagle3_assets.lib.hub_files import local_file
 from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
 from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
+
+if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
+    from eagle3_assets.lib.drafter_checkpoint import TargetShape
+    from eagle3_assets.lib.generation import GenerationConfig
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -57,6 +60,8 @@ class TargetModel(dg.ConfigurableResource):
     config_path: str
 
     def shape(self) -> TargetShape:
+        from eagle3_assets.lib.drafter_checkpoint import TargetShape
+
         return TargetShape.from_config(Path(self.config_path))
 
 
@@ -103,6 +108,8 @@ class GenerationRecipe(dg.ConfigurableResource):
     max_truncated_rate: float = 0.25
 
     def config(self) -> GenerationConfig:
+        from eagle3_assets.lib.generation import GenerationConfig
+
         return GenerationConfig(
             max_tokens=self.max_tokens,
             temperature=self.temperature,

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 ROLES = {
     "system": "system",
     "user": "user",
@@ -72,6 +70,8 @@ def load_conversations(path: str | Path) -> list[Conversation]:
 def _records(path: Path) -> Iterator[tuple[str, dict]]:
     """(location for error messages, record) pairs."""
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # only for Parquet pools: keeps definitions load light
+
         row = 0
         for batch in pq.ParquetFile(path).iter_batches():
             for record in batch.to_pylist():
