@@ -19,6 +19,7 @@ from eagle3_assets.lib.vllm_launcher import (
     start,
     stop,
 )
+from eagle3_assets_tests.conftest import free_port
 
 # Plays a vLLM API server: records how it was started, spawns "workers", and (like a
 # wedged engine) ignores SIGTERM, so only the group SIGKILL can end it.
@@ -46,12 +47,6 @@ def fake_venv(tmp_path: Path, script: str) -> Path:
     python.write_text(script)
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> None:
