@@ -25,6 +25,7 @@ from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, sm
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
     from eagle3_assets.lib.drafter_checkpoint import TargetShape
     from eagle3_assets.lib.generation import GenerationConfig
+    from eagle3_assets.lib.hidden_states import ExtractionSettings
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -55,14 +56,59 @@ class VLLMServer(dg.ConfigurableResource):
 
 
 class TargetModel(dg.ConfigurableResource):
-    """The served target's own config.json: the shape every drafter must fit."""
+    """The served target's local folder (config.json, tokenizer, safetensors): the shape every
+    drafter must fit, and the weights and template that hidden-state extraction uses."""
 
-    config_path: str
+    path: str
+    revision: str | None = None  # recorded in the hidden states' manifests
+    trust_remote_code: bool = False  # Kimi's tokenizer needs it; only when the user says so
 
     def shape(self) -> TargetShape:
         from eagle3_assets.lib.drafter_checkpoint import TargetShape
 
-        return TargetShape.from_config(Path(self.config_path))
+        return TargetShape.from_config(Path(self.path))
+
+
+class HiddenStatesRecipe(dg.ConfigurableResource):
+    """How every batch's hidden states are extracted and stored (docs/hidden-states-format.md).
+    One setting for all batches: training reads them together."""
+
+    backend: str = "hf"  # hf: transformers + hooks; vllm: vLLM's extract_hidden_states
+    format: str = "fp8+fp8"  # <aux>+<final>: aux bf16|fp8, final bf16|fp8|top<k>
+    max_length: int = 4096
+    shard_mb: int = 1024
+    batch_tokens: int = 16384  # hf: tokens per forward, padding included
+    dtype: str = "bfloat16"
+    device: str = "auto"  # hf: auto | cpu | cuda; vllm: cpu picks the CPU-build connector
+    cap_gb: float | None = None  # on everything under <data>/hidden_states
+    min_loss_fraction: float = 0.05  # blocking check: share of response tokens in a batch
+    max_loss_fraction: float = 0.995
+    serving_python: str = ".venv-vllm/bin/python"  # vllm: the serving venv's interpreter
+    vllm_port: int = 8010
+    vllm_tensor_parallel_size: int = 1
+    vllm_args: list[str] = []  # e.g. ["--enforce-eager"]
+    vllm_load_timeout_s: float = 1800.0
+
+    def settings(self) -> ExtractionSettings:
+        """Validated, so a bad setting fails before any forward."""
+        from eagle3_assets.lib.hidden_states import ExtractionSettings
+        from eagle3_assets.lib.shard_format import ShardFormat
+
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend: expected hf or vllm, found {self.backend!r}")
+        fmt = ShardFormat.parse(self.format)
+        if self.backend == "vllm" and fmt.topk is not None:
+            raise ValueError(
+                f"format: {fmt.name} keeps top-k logits, which need the target's lm_head; the "
+                "vllm backend returns states: use bf16/fp8 for the final state, or backend hf"
+            )
+        return ExtractionSettings(
+            format=fmt,
+            shard_bytes=self.shard_mb * 2**20,
+            batch_tokens=self.batch_tokens,
+            cap_bytes=int(self.cap_gb * 1e9) if self.cap_gb is not None else None,
+            max_length=self.max_length,
+        )
 
 
 class Storage(dg.ConfigurableResource):
@@ -146,7 +192,11 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.Config
             api_key=_secret(API_KEY_ENV),
             load_deadline_s=float(env.get("EAGLE3_VLLM_LOAD_DEADLINE_S", "1800")),
         ),
-        "target": TargetModel(config_path=env.get("EAGLE3_TARGET_CONFIG", f"{world}/target-v2")),
+        "target": TargetModel(
+            path=env.get("EAGLE3_TARGET_PATH", f"{world}/target-v2"),
+            revision=env.get("EAGLE3_TARGET_REVISION"),
+            trust_remote_code=env.get("EAGLE3_TRUST_REMOTE_CODE", "") == "1",
+        ),
         "storage": Storage(root=env.get("EAGLE3_DATA_ROOT", "data")),
         "prompt_pool": PromptPool(
             path=env.get("EAGLE3_PROMPTS", f"{world}/prompts.jsonl"),
@@ -160,6 +210,18 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.Config
             concurrency=int(env.get("EAGLE3_CONCURRENCY", "200")),
             chat_template_kwargs_json=env.get("EAGLE3_CHAT_TEMPLATE_KWARGS", "{}"),
             max_truncated_rate=float(env.get("EAGLE3_MAX_TRUNCATED_RATE", "0.25")),
+        ),
+        "hidden": HiddenStatesRecipe(
+            backend=env.get("EAGLE3_HIDDEN_BACKEND", "hf"),
+            format=env.get("EAGLE3_HIDDEN_FORMAT", "fp8+fp8"),
+            max_length=int(env.get("EAGLE3_MAX_LENGTH", "4096")),
+            shard_mb=int(env.get("EAGLE3_SHARD_MB", "1024")),
+            dtype=env.get("EAGLE3_EXTRACT_DTYPE", "bfloat16"),
+            device=env.get("EAGLE3_EXTRACT_DEVICE", "auto"),
+            cap_gb=float(env["EAGLE3_HIDDEN_CAP_GB"]) if env.get("EAGLE3_HIDDEN_CAP_GB") else None,
+            serving_python=env.get("EAGLE3_SERVING_PYTHON", ".venv-vllm/bin/python"),
+            vllm_tensor_parallel_size=int(env.get("EAGLE3_EXTRACT_TP", "1")),
+            vllm_args=env.get("EAGLE3_EXTRACT_VLLM_ARGS", "").split(),
         ),
         "drafter_hub": DrafterHub(
             repo_id=env.get("EAGLE3_DRAFTER_REPO", "local/target-v1-eagle3"),

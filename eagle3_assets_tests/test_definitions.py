@@ -14,7 +14,25 @@ def test_definitions_load_with_the_expected_graph():
     dg.Definitions.validate_loadable(definitions)
     graph = definitions.resolve_asset_graph()
     keys = {key.to_user_string() for key in graph.get_all_asset_keys()}
-    assert keys == {"vllm_server", "served_target", "drafter_checkpoint", "synthetic_generations"}
+    assert keys == {
+        "vllm_server",
+        "served_target",
+        "drafter_checkpoint",
+        "synthetic_generations",
+        "hidden_states",
+    }
+    hidden_states = graph.get(dg.AssetKey("hidden_states"))
+    assert hidden_states.parent_keys == {
+        dg.AssetKey("synthetic_generations"),
+        dg.AssetKey("drafter_checkpoint"),
+    }
+    assert (
+        hidden_states.partitions_def
+        == graph.get(dg.AssetKey("synthetic_generations")).partitions_def
+    )
+    assert definitions.resolve_sensor_def("hidden_states_automation").default_status == (
+        dg.DefaultSensorStatus.STOPPED
+    )
     assert not graph.get(dg.AssetKey("vllm_server")).is_materializable  # external: observed only
     assert graph.get(dg.AssetKey("served_target")).parent_keys == {dg.AssetKey("vllm_server")}
     assert definitions.resolve_job_def("launch").asset_layer.selected_asset_keys == {

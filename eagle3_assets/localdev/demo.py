@@ -56,7 +56,7 @@ def miniature_env(
     return {
         "EAGLE3_VLLM_URLS": base_url,
         "EAGLE3_TARGET_MODEL": served_model_name,
-        "EAGLE3_TARGET_CONFIG": str(world_root / "target-v2"),
+        "EAGLE3_TARGET_PATH": str(world_root / "target-v2"),
         "EAGLE3_PROMPTS": str(world_root / "prompts.jsonl"),
         "EAGLE3_DATA_ROOT": str(data_root),
         "EAGLE3_DRAFTER_REPO": LOCAL_DRAFTER_REPO,

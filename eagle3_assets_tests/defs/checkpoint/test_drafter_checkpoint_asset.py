@@ -18,7 +18,7 @@ def resources(test_hub, tmp_path, target_dir, revision="main"):
         "drafter_hub": DrafterHub(
             repo_id=LOCAL_DRAFTER_REPO, revision=revision, cache_dir=str(test_hub)
         ),
-        "target": TargetModel(config_path=str(target_dir)),
+        "target": TargetModel(path=str(target_dir)),
         "storage": Storage(root=str(tmp_path)),
     }
 

@@ -1,0 +1,93 @@
+"""Stream training samples out of hidden-state shards with bounded memory.
+
+Terabytes of shards never fit in RAM: shards are memory-mapped and a sample is read only when
+it is yielded, so memory holds one sample plus a few open files however many batches there
+are. Shuffling is two-level, as for any dataset larger than memory: the shard order is
+permuted per epoch, then a buffer of sample *indices* shuffles within a window. Under DDP each
+rank takes every world_size-th sample of the same global order (the tail that does not divide
+evenly is dropped, so ranks take the same number of steps). The order is a pure function of
+(seed, epoch, rank), so a resumed trainer skips `start` samples and sees exactly what an
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.lib.hidden_states import read_manifest
+from eagle3_assets.lib.shard_format import HiddenSample, ShardFile
+
+
+class ShardReader:
+    def __init__(
+        self,
+        batch_dirs: Sequence[Path],
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 64,
+        dtype: torch.dtype = torch.float32,
+        open_files: int = 4,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), found {rank}")
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle_buffer, self.dtype, self.open_files = shuffle_buffer, dtype, open_files
+        self.shards: list[tuple[Path, int]] = []  # (path, samples)
+        layer_ids = None
+        for batch_dir in batch_dirs:
+            manifest = read_manifest(Path(batch_dir))
+            ids = manifest["layer_ids"]
+            if layer_ids is not None and ids != layer_ids:
+                raise ValueError(
+                    f"{batch_dir}: layer ids {ids} differ from the first batch's {layer_ids}; "
+                    "every batch must be extracted at the drafter's layers"
+                )
+            layer_ids = ids
+            self.shards += [
+                (Path(batch_dir) / name, len(entry["samples"]))
+                for name, entry in manifest["shards"].items()
+            ]
+        if layer_ids is None:
+            raise ValueError("no hidden-state batches to read")
+        self.layer_ids: dict = layer_ids
+        self._files: OrderedDict[Path, ShardFile] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch."""
+        return sum(count for _, count in self.shards) // self.world_size
+
+    def order(self, epoch: int) -> list[tuple[int, int]]:
+        """This rank's (shard, sample) indices for `epoch`, in reading order."""
+        shards = list(range(len(self.shards)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(shards)
+        stream = [(s, i) for s in shards for i in range(self.shards[s][1])]
+        mine = stream[self.rank : len(self) * self.world_size : self.world_size]
+        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}")
+        buffer: list[tuple[int, int]] = []
+        shuffled = []
+        for item in mine:
+            buffer.append(item)
+            if len(buffer) >= self.shuffle_buffer:
+                shuffled.append(buffer.pop(rng.randrange(len(buffer))))
+        rng.shuffle(buffer)
+        return shuffled + buffer
+
+    def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
+        """This rank's samples of `epoch`, from its `start`-th on."""
+        for shard, index in self.order(epoch)[start:]:
+            yield self._file(self.shards[shard][0]).sample(index, self.dtype)
+
+    def _file(self, path: Path) -> ShardFile:
+        if path in self._files:
+            self._files.move_to_end(path)
+        else:
+            self._files[path] = ShardFile(path)
+            if len(self._files) > self.open_files:
+                self._files.popitem(last=False)
+        return self._files[path]
