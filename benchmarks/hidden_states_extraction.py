@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3_assets.lib.hidden_capture import HFTarget, length_buckets
+from eagle3_assets.lib.hidden_capture import HFTarget, length_buckets, right_padded
 from eagle3_assets.lib.hidden_states import (
     ExtractionSettings,
     LayerSelection,
@@ -85,16 +85,6 @@ def wide_llama(directory: Path) -> Path:
     return directory
 
 
-def padded(batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(s) for s in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for row, sequence in enumerate(batch):
-        ids[row, : len(sequence)] = torch.from_numpy(sequence)
-        mask[row, : len(sequence)] = 1
-    return ids, mask
-
-
 @contextmanager
 def hooks_detached(target: HFTarget) -> Iterator[None]:
     """The baselines run the very same module (another copy of the weights alone moves the
@@ -112,7 +102,7 @@ def speed(model_dir: Path, sequences: list[TokenSequence], rounds: int) -> dict[
     """Tokens/s of each variant (best of `rounds`, interleaved in shuffled order), bf16."""
     target = HFTarget(model_dir, (2, 4, 5, 8), dtype="bfloat16", device="cpu")
     batches = [
-        padded([sequences[i].input_ids for i in bucket])
+        right_padded([sequences[i].input_ids for i in bucket])
         for bucket in length_buckets([len(s) for s in sequences], BATCH_TOKENS)
     ]
 

@@ -43,6 +43,17 @@ def length_buckets(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
     return batches
 
 
+def right_padded(sequences: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), [B, T_max] each, padded on the right with masked zeros."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.from_numpy(sequence)
+        mask[row, : len(sequence)] = 1
+    return ids, mask
+
+
 class HFTarget:
     """The target loaded from safetensors (never a pickle), capturing vLLM-convention layers."""
 
@@ -105,12 +116,7 @@ class HFTarget:
     @torch.inference_mode()
     def states(self, input_ids: list[np.ndarray]) -> torch.Tensor:
         """[B, T_max, len(layer_ids), H] for right-padded sequences (padding is masked out)."""
-        longest = max(len(ids) for ids in input_ids)
-        ids = torch.zeros(len(input_ids), longest, dtype=torch.long)
-        mask = torch.zeros(len(input_ids), longest, dtype=torch.long)
-        for row, sequence in enumerate(input_ids):
-            ids[row, : len(sequence)] = torch.from_numpy(sequence)
-            mask[row, : len(sequence)] = 1
+        ids, mask = right_padded(input_ids)
         self._captured.clear()
         try:
             self.decoder(

@@ -72,6 +72,19 @@ def hf_model(test_world):
     return AutoModelForCausalLM.from_pretrained(test_world.target_v2, dtype=torch.float32).eval()
 
 
+def extract_hf(world, sequences, out_dir: Path, fmt: str, shard_bytes: int, **settings):
+    """extract_batch with the hf backend on the test-size target in float32."""
+    return extract_batch(
+        sequences,
+        out_dir,
+        lambda: HFTarget(world.target_v2, LAYERS.ids, dtype="float32", device="cpu"),
+        LAYERS,
+        64,
+        ExtractionSettings(ShardFormat.parse(fmt), shard_bytes=shard_bytes, **settings),
+        {"target": "test-v2"},
+    )
+
+
 def plain_forward(model, input_ids: np.ndarray):
     """transformers' own view of one unpadded sequence: all hidden states and the logits."""
     with torch.inference_mode():
@@ -203,15 +216,7 @@ def test_format_names_and_sizes():
 @pytest.mark.parametrize("fmt", [f.name for f in candidate_formats(topk=8)])
 def test_every_format_round_trips(test_world, hf_model, sequences, tmp_path, fmt):
     shard_format = ShardFormat.parse(fmt)
-    summary = extract_batch(
-        sequences,
-        tmp_path,
-        lambda: HFTarget(test_world.target_v2, LAYERS.ids, dtype="float32", device="cpu"),
-        LAYERS,
-        64,
-        ExtractionSettings(shard_format, shard_bytes=40_000, batch_tokens=512),
-        {"target": "test-v2"},
-    )
+    summary = extract_hf(test_world, sequences, tmp_path, fmt, 40_000, batch_tokens=512)
     manifest = read_manifest(tmp_path)
     assert summary.shards == len(manifest["shards"]) > 1
     assert summary.samples == len(sequences) and summary.nonfinite == 0
@@ -375,15 +380,7 @@ def test_kill_9_mid_batch_then_resume_is_identical(test_world, rows, tmp_path):
 def test_reader_streams_shuffles_and_splits_for_ddp(test_world, sequences, tmp_path):
     batch_dirs = [tmp_path / "batch-00000", tmp_path / "batch-00001"]
     for batch_dir, part in zip(batch_dirs, (sequences[:7], sequences[7:]), strict=True):
-        extract_batch(
-            part,
-            batch_dir,
-            lambda: HFTarget(test_world.target_v2, LAYERS.ids, dtype="float32", device="cpu"),
-            LAYERS,
-            64,
-            ExtractionSettings(ShardFormat("bf16", "bf16"), shard_bytes=20_000),
-            {},
-        )
+        extract_hf(test_world, part, batch_dir, "bf16+bf16", 20_000)
     single = ShardReader(batch_dirs, seed=3, shuffle_buffer=4)
     everything = [s.sample_id for s in single.samples(epoch=0)]
     assert sorted(everything) == sorted(s.sample_id for s in sequences)
@@ -409,15 +406,7 @@ def test_reader_streams_shuffles_and_splits_for_ddp(test_world, sequences, tmp_p
 def test_verify_batch_finds_rot_foreign_tokens_and_missing_samples(
     test_world, rows, sequences, tmp_path
 ):
-    extract_batch(
-        sequences,
-        tmp_path,
-        lambda: HFTarget(test_world.target_v2, LAYERS.ids, dtype="float32", device="cpu"),
-        LAYERS,
-        64,
-        ExtractionSettings(ShardFormat("fp8", "fp8"), shard_bytes=10_000),
-        {},
-    )
+    extract_hf(test_world, sequences, tmp_path, "fp8+fp8", 10_000)
     expected = {r["sample_id"]: [*r["prompt_token_ids"], *r["token_ids"]] for r in rows}
     clean = verify_batch(tmp_path, expected)
     assert clean.bad_shards == clean.token_mismatches == clean.missing_samples == []
