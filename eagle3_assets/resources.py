@@ -167,6 +167,31 @@ class GenerationRecipe(dg.ConfigurableResource):
         )
 
 
+class TrainingRecipe(dg.ConfigurableResource):
+    """How the drafter is finetuned (lib/train_drafter.RunConfig); defaults for continued
+    training from a warm start (use lr ~1e-4 from scratch)."""
+
+    steps: int = 1000
+    batch_size: int = 4  # samples per rank per step
+    lr: float = 2e-5
+    ttt_length: int = 7
+    warmup_ratio: float = 0.015
+    checkpoint_every: int = 100
+    nproc: int = 1  # torchrun ranks: GPUs on a GPU node
+    seed: int = 0
+
+    def run_settings(self) -> dict:
+        return {
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "ttt_length": self.ttt_length,
+            "warmup_ratio": self.warmup_ratio,
+            "checkpoint_every": self.checkpoint_every,
+            "seed": self.seed,
+        }
+
+
 class DrafterHub(dg.ConfigurableResource):
     """Where the warm-start drafter is published (a Hugging Face repo at a pinned revision)."""
 
@@ -180,7 +205,7 @@ def _secret(name: str) -> dg.EnvVar | None:
     return dg.EnvVar(name) if name in os.environ else None
 
 
-def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.ConfigurableResource]:
+def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
     """Every resource, configured from EAGLE3_* variables (defaults: the demo world)."""
     env = dict(os.environ if env is None else env)
     world = env.get("EAGLE3_WORLD", "data/world/demo")
@@ -223,6 +248,14 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, dg.Config
             vllm_tensor_parallel_size=int(env.get("EAGLE3_EXTRACT_TP", "1")),
             vllm_args=env.get("EAGLE3_EXTRACT_VLLM_ARGS", "").split(),
         ),
+        "training": TrainingRecipe(
+            steps=int(env.get("EAGLE3_TRAIN_STEPS", "1000")),
+            batch_size=int(env.get("EAGLE3_TRAIN_BATCH_SIZE", "4")),
+            lr=float(env.get("EAGLE3_TRAIN_LR", "2e-5")),
+            ttt_length=int(env.get("EAGLE3_TTT_LENGTH", "7")),
+            nproc=int(env.get("EAGLE3_TRAIN_NPROC", "1")),
+        ),
+        "pipes_subprocess_client": dg.PipesSubprocessClient(),
         "drafter_hub": DrafterHub(
             repo_id=env.get("EAGLE3_DRAFTER_REPO", "local/target-v1-eagle3"),
             revision=env.get("EAGLE3_DRAFTER_REVISION", "main"),

@@ -28,7 +28,7 @@ def test_world() -> World:
 def test_hub(test_world: World) -> Path:
     """A Hugging Face hub cache holding the world's warm-start drafter (for target-v1)."""
     cache = test_world.root / "hub"
-    publish_local_drafter(test_world.target_v1, cache, draft_vocab_size=256)
+    publish_local_drafter(test_world, cache, draft_vocab_size=256)
     return cache
 
 

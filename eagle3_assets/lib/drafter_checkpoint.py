@@ -208,7 +208,7 @@ def _read_headers(path: Path, problems: list[str]) -> dict[str, tuple[str, tuple
     return tensors
 
 
-def _check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int) -> list[str]:
+def check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray, draft_vocab: int) -> list[str]:
     """t2d marks draft_vocab target ids; draft id i maps to the i-th of them in increasing
     order (target id = i + d2t[i]), the order lm_head's rows were trained in."""
     if int(t2d.sum()) != draft_vocab:
@@ -322,7 +322,7 @@ def validate_drafter(path: Path, target: TargetShape) -> DrafterInfo:
             d2t = f.get_tensor("d2t")
         with safe_open(tensors["t2d"][2], framework="np") as f:
             t2d = f.get_tensor("t2d")
-        problems += _check_vocab_maps(d2t, t2d, draft_vocab)
+        problems += check_vocab_maps(d2t, t2d, draft_vocab)
 
     if problems:
         raise DrafterValidationError(f"drafter in {path}:\n" + "\n".join(problems))

@@ -153,8 +153,9 @@ def main() -> int:
     started = time.monotonic()
     world = build_world(data / "world", "demo", log=say)
     hub = world.root / "hub"
-    sha = publish_local_drafter(world.target_v1, hub, draft_vocab_size=1024)
-    say(f"local hub: {LOCAL_DRAFTER_REPO}@{sha[:12]} (an untrained drafter for target-v1) in {hub}")
+    say("the world's warm-start drafter: EAGLE-3 trained on target-v1 (built once)")
+    sha = publish_local_drafter(world, hub, draft_vocab_size=1024)
+    say(f"local hub: {LOCAL_DRAFTER_REPO}@{sha[:12]} (the drafter for target-v1) in {hub}")
     spec = miniature_server(world.target_v2, data / "vllm", port, SERVED_TARGET_NAME)
     current = probe(spec.base_url)
     if current.healthy and SERVED_TARGET_NAME in current.model_ids:

@@ -1,6 +1,6 @@
 """Generation rows made by a miniature target itself (greedy, in transformers): the rows a
-vLLM server's batch would hold, token ids included, for tests and benchmarks that need
-realistic sequences without starting a server."""
+vLLM server's batch would hold, token ids included, for tests, benchmarks and the world's
+warm-start drafter, without starting a server."""
 
 import json
 from pathlib import Path
@@ -11,33 +11,52 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle3_assets.lib.conversations import load_conversations
 from eagle3_assets.lib.token_sequences import render_prompt_ids
 
+BATCH = 16  # prompts per generate call, left-padded
+
 
 def greedy_generation_rows(
     target: Path, prompts: Path, count: int, max_new_tokens: int
 ) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    conversations = load_conversations(prompts)[:count]
     rows = []
-    for conversation in load_conversations(prompts)[:count]:
-        messages = [dict(m) for m in conversation.messages]
-        prompt_ids = render_prompt_ids(tokenizer, messages, {})
+    for start in range(0, len(conversations), BATCH):
+        chunk = conversations[start : start + BATCH]
+        messages = [[dict(m) for m in c.messages] for c in chunk]
+        prompt_ids = [render_prompt_ids(tokenizer, m, {}) for m in messages]
+        longest = max(len(ids) for ids in prompt_ids)
+        ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
+        mask = torch.zeros(len(chunk), longest, dtype=torch.long)
+        for row, prompt in enumerate(prompt_ids):
+            ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[row, longest - len(prompt) :] = 1
         with torch.inference_mode():
             output = model.generate(
-                torch.tensor([prompt_ids]),
+                ids,
+                attention_mask=mask,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        response_ids = output[0, len(prompt_ids) :].tolist()
-        rows.append(
-            {
-                "sample_id": f"{conversation.prompt_id}-test",
-                "prompt_id": conversation.prompt_id,
-                "messages": json.dumps(messages),
-                "response": tokenizer.decode(response_ids, skip_special_tokens=True),
-                "prompt_token_ids": prompt_ids,
-                "token_ids": response_ids,
-            }
-        )
+        for conversation, message, prompt, generated in zip(
+            chunk, messages, prompt_ids, output[:, longest:].tolist(), strict=True
+        ):
+            end = (
+                generated.index(tokenizer.eos_token_id) + 1
+                if tokenizer.eos_token_id in generated
+                else len(generated)
+            )
+            response_ids = generated[:end]
+            rows.append(
+                {
+                    "sample_id": f"{conversation.prompt_id}-greedy",
+                    "prompt_id": conversation.prompt_id,
+                    "messages": json.dumps(message),
+                    "response": tokenizer.decode(response_ids, skip_special_tokens=True),
+                    "prompt_token_ids": prompt,
+                    "token_ids": response_ids,
+                }
+            )
     return rows

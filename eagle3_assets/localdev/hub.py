@@ -1,5 +1,5 @@
-"""The miniature world's hub: an untrained EAGLE-3 drafter in the SpecForge v0.2 layout, and a
-Hugging Face hub cache holding it, so that the real client downloads it offline.
+"""The miniature world's hub: an EAGLE-3 drafter for target-v1 in the SpecForge v0.2 layout,
+and a Hugging Face hub cache holding it, so that the real client downloads it offline.
 
 The drafter looks like AQ-MedAI's: ids nested in `eagle_config` in SGLang convention, no
 `embed_tokens`, and a pickled `training_state.pt` beside the weights that must never be
@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from huggingface_hub.file_download import repo_folder_name
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from eagle3_assets.lib.layer_ids import default_aux_layers, vllm_to_sglang
+from eagle3_assets.localdev.world import World
 
 # Target config fields the drafter's single decoder layer shares, when the target has them.
 SHARED_FIELDS = (
@@ -150,11 +151,65 @@ def publish_to_hub_cache(
 LOCAL_DRAFTER_REPO = "local/target-v1-eagle3"  # plays AQ-MedAI/Kimi-K2-Instruct-eagle3
 
 
+DRAFTER_RECIPE_VERSION = 1  # bump when the world drafter's recipe changes: a new cache entry
+
+
+def train_world_drafter(world: World, draft_vocab_size: int, steps: int = 100) -> Path:
+    """The world's "K2 drafter": EAGLE-3 trained with this project's code on target-v1's own
+    greedy answers, saved in the SpecForge v0.2 layout (ids nested, SGLang convention, a
+    pickle beside it), as AQ-MedAI's drafter was trained for Kimi-K2. Built once per world
+    and vocab size (in a temp dir renamed into place), so republishing is a no-op."""
+    from transformers import AutoTokenizer
+
+    from eagle3_assets.lib.hidden_capture import HFTarget
+    from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
+    from eagle3_assets.lib.shard_format import ShardFormat
+    from eagle3_assets.lib.token_sequences import build_sequences
+    from eagle3_assets.lib.train_drafter import RunConfig, train
+    from eagle3_assets.localdev.greedy import greedy_generation_rows
+
+    out_dir = world.root / f"k2-drafter-{draft_vocab_size}-v{DRAFTER_RECIPE_VERSION}"
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    target = world.target_v1
+    config = json.loads((target / "config.json").read_text())
+    layers = LayerSelection(
+        aux=default_aux_layers(config["num_hidden_layers"]),
+        final=config["num_hidden_layers"],
+        source="vLLM default",
+    )
+    with tempfile.TemporaryDirectory(dir=world.root) as scratch:
+        work = Path(scratch)
+        untrained = make_untrained_drafter(target, work / "drafter", draft_vocab_size, seed=0)
+        rows = greedy_generation_rows(target, world.prompts, count=64, max_new_tokens=64)
+        sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(target))
+        extract_batch(
+            sequences,
+            work / "hidden_states",
+            lambda: HFTarget(target, layers.ids, dtype="float32", device="cpu"),
+            layers,
+            config["hidden_size"],
+            ExtractionSettings(ShardFormat("bf16", "bf16")),
+            {"target": "target-v1"},
+        )
+        run = RunConfig(
+            batch_dirs=[str(work / "hidden_states")],
+            warm_start=str(untrained),
+            target=str(target),
+            out_dir=str(work / "run"),
+            steps=steps,
+            lr=3e-3,  # from scratch, on a tiny model
+            warmup_ratio=0.05,
+        )
+        trained = load_file(train(run).checkpoint / "model.safetensors")
+        save_file(trained, untrained / "model.safetensors", metadata={"format": "pt"})
+        os.replace(untrained, out_dir)
+    return out_dir
+
+
 def publish_local_drafter(
-    target_dir: Path, cache_dir: Path, draft_vocab_size: int, repo_id: str = LOCAL_DRAFTER_REPO
+    world: World, cache_dir: Path, draft_vocab_size: int, repo_id: str = LOCAL_DRAFTER_REPO
 ) -> str:
-    """The world's warm-start drafter, published for `target_dir` (v1, as the public drafter
-    was trained for K2); deterministic, so republishing is a no-op. Returns the commit sha."""
-    with tempfile.TemporaryDirectory() as scratch:
-        repo_dir = make_untrained_drafter(target_dir, Path(scratch), draft_vocab_size, seed=0)
-        return publish_to_hub_cache(repo_dir, cache_dir, repo_id)
+    """The world's warm-start drafter (trained for target-v1, as the public drafter was for
+    K2), published in a hub cache. Returns the commit sha."""
+    return publish_to_hub_cache(train_world_drafter(world, draft_vocab_size), cache_dir, repo_id)

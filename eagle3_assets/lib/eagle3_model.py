@@ -1,0 +1,207 @@
+"""The EAGLE-3 draft model, as vLLM serves it (vllm/model_executor/models/llama_eagle3.py).
+
+One Llama decoder layer that reads two things at each position p: the target's aux states at p
+(three layers, concatenated, mapped to H by `fc`) and the embedding of the token at p + 1
+(the target's embedding, frozen, never saved). It predicts the token at p + 2 over a smaller
+draft vocab; `d2t` maps a draft id to its target id (target = draft + d2t[draft]), `t2d` marks
+the target ids the draft vocab holds.
+
+    x   = input_layernorm(embed(token))          hn  = hidden_norm(h)
+    a   = o_proj(attention(cat[x, hn]))          (q, k, v read 2H)
+    r   = a + (hn if norm_before_residual else h)
+    pre = mlp(post_attention_layernorm(r)) + r   logits = lm_head(norm(pre))
+
+`pre` is the hidden the next draft step reads (vLLM feeds it back, with the next token, one
+position further on). State-dict names are vLLM's and SpecForge's: `fc.weight`, `midlayer.*`,
+`norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    num_aux_hidden_states: int = 3
+    target_hidden_size: int | None = None  # when the target is wider than the drafter
+    norm_before_residual: bool = False  # speculators' variant: the residual is hidden_norm(h)
+
+    @property
+    def aux_width(self) -> int:
+        return self.num_aux_hidden_states * (self.target_hidden_size or self.hidden_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Llama's rotary embedding (no scaling)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inverse_frequency", inverse, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, S, D] rotated by positions [B, S]."""
+        angles = positions[:, None, :, None].float() * self.inverse_frequency
+        angles = torch.cat((angles, angles), dim=-1)
+        return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        heads, kv_heads, dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q_proj = nn.Linear(2 * config.hidden_size, heads * dim, bias=False)
+        self.k_proj = nn.Linear(2 * config.hidden_size, kv_heads * dim, bias=False)
+        self.v_proj = nn.Linear(2 * config.hidden_size, kv_heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=False)
+        self.rotary = Rotary(dim, config.rope_theta)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """q [B, heads, S, D], k and v [B, heads, S, D] (kv heads repeated), rotated."""
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.heads, self.dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.dim).transpose(1, 2)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return self.rotary(q, positions), self.rotary(k, positions), v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(config)
+        self.norm_before_residual = config.norm_before_residual
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor) -> None:
+        super().__init__()
+        if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"embed_tokens: expected the target's [{config.vocab_size}, "
+                f"{config.hidden_size}], found {list(embed_tokens.shape)}"
+            )
+        self.config = config
+        self.fc = nn.Linear(config.aux_width, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # the target's, frozen and not part of the checkpoint (vLLM shares the target's)
+        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+
+    def logits(self, pre: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(pre))
+
+    def ttt(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        steps: int,
+        key_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Training-time test: the pre-norm outputs of `steps` chained draft steps, [B, S, H]
+        each. Step 0 reads fc(aux) [B, S, aux_width] with tokens `input_ids[:, k : k + S]`
+        (the caller passes S + steps - 1 ids: the token after each position and the steps'
+        further tokens); step k reads step k-1's output at the same index, the token k
+        further on, at position + k. Attention is vLLM's at inference: step k's query at
+        index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index i), so
+        the cost is one S x S score matrix plus S x k, never (S k) x (S k). `key_mask`
+        [B, S] hides padding keys."""
+        layer = self.midlayer
+        attention = layer.self_attn
+        B, S = aux.shape[:2]
+        hidden = self.fc(aux)
+        causal = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()
+        if key_mask is None:
+            visible = causal
+        else:  # a padding query still sees itself: no all -inf row, no NaN
+            own = torch.eye(S, dtype=torch.bool, device=aux.device)
+            visible = causal & (key_mask[:, None, None, :].bool() | own)
+        scale = attention.dim**-0.5
+        chain_keys: list[torch.Tensor] = []
+        chain_values: list[torch.Tensor] = []
+        outputs = []
+        for k in range(steps):
+            embeds = self.embed_tokens[input_ids[:, k : k + S]]
+            normed = layer.hidden_norm(hidden)
+            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+            q, key, value = attention.project(x, positions + k)
+            if k == 0:
+                base_keys, base_values = key, value
+            else:
+                chain_keys.append(key)
+                chain_values.append(value)
+            # [B, heads, S, S] over step 0's keys, then [B, heads, S, k] over the chain
+            scores = (q @ base_keys.transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~visible, float("-inf"))
+            diagonal = [(q * ck).sum(-1, keepdim=True) * scale for ck in chain_keys]
+            weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1).float(), dim=-1)
+            weights = weights.to(value.dtype)
+            mixed = weights[..., :S] @ base_values
+            for j, cv in enumerate(chain_values):
+                mixed = mixed + weights[..., S + j : S + j + 1] * cv
+            mixed = mixed.transpose(1, 2).reshape(B, S, -1)
+            residual = normed if layer.norm_before_residual else hidden
+            residual = attention.o_proj(mixed) + residual
+            pre = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+            outputs.append(pre)
+            hidden = pre
+        return outputs

@@ -1,0 +1,172 @@
+"""Training-time test (TTT) for an EAGLE-3 drafter on extracted hidden-state shards.
+
+Alignment (one shift, never two: SpecForge v0.2.0's offline path shifted twice, PR #448):
+draft index i reads the aux states at position i and the token at i + 1, and at TTT step k
+predicts the token at i + 2 + k. Its teacher is the target's distribution at position
+i + 1 + k (which predicts that token), restricted to the draft vocab (t2d) and renormalized;
+the position counts only where that token is a response token (the shards keep final states
+exactly at such "teacher positions") and the target's argmax over its whole vocab is in the
+draft vocab (mask = loss mask x t2d[argmax]). Loss = sum_k w^k soft cross-entropy, each step
+averaged over its supervised positions per sample, then over samples (so ranks that each
+average their own samples give the single-process gradient).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from eagle3_assets.lib.eagle3_model import Eagle3Drafter
+from eagle3_assets.lib.shard_format import HiddenSample
+
+TEACHER_CHUNK = 512  # positions per lm_head chunk: bounds memory for a 164K-token vocab
+
+
+class TargetHead:
+    """The target's final norm and lm_head (and its embedding, for the drafter), read from
+    its safetensors alone: the teacher without loading the target."""
+
+    NAMES = {
+        "embed": ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight"),
+        "norm": ("model.norm.weight", "language_model.model.norm.weight"),
+        "lm_head": ("lm_head.weight", "language_model.lm_head.weight"),
+    }
+
+    def __init__(self, target_dir: Path) -> None:
+        config = json.loads((target_dir / "config.json").read_text())
+        config = config.get("text_config", config)
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        found = self._read(target_dir)
+        if "lm_head" not in found and config.get("tie_word_embeddings"):
+            found["lm_head"] = found["embed"]
+        missing = sorted(set(self.NAMES) - set(found))
+        if missing:
+            raise ValueError(f"{target_dir}: no {missing} among the target's safetensors")
+        self.embed, self.norm_weight, self.lm_head = (
+            found["embed"].float(),
+            found["norm"].float(),
+            found["lm_head"].float(),
+        )
+
+    def _read(self, target_dir: Path) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for path in sorted(target_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                names = set(f.keys())
+                for key, candidates in self.NAMES.items():
+                    name = next((n for n in candidates if n in names), None)
+                    if name is not None:
+                        found[key] = f.get_tensor(name)
+        return found
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        x = final.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return x @ self.lm_head.T
+
+
+def teacher(
+    sample: HiddenSample, head: TargetHead, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities over the draft vocab [P, Vd], usable [P]) at the sample's teacher
+    positions: softmax of the target logits on t2d's columns; usable where the target's
+    argmax over its whole vocab is a draft token."""
+    draft_columns = t2d.nonzero().squeeze(-1)
+    if sample.final is not None:
+        probs, usable = [], []
+        for chunk in sample.final.split(TEACHER_CHUNK):
+            logits = head.logits(chunk)
+            usable.append(t2d[logits.argmax(-1)])
+            probs.append(torch.softmax(logits[:, draft_columns], dim=-1))
+        if not probs:
+            return torch.zeros(0, len(draft_columns)), torch.zeros(0, dtype=torch.bool)
+        return torch.cat(probs), torch.cat(usable)
+    # top-k logits over the target vocab: keep the entries the draft vocab holds
+    draft_index = torch.full((len(t2d),), -1, dtype=torch.long)
+    draft_index[draft_columns] = torch.arange(len(draft_columns))
+    ids, logits = sample.topk_ids, sample.topk_logits.float()
+    columns = draft_index[ids]
+    dense = torch.full((len(ids), len(draft_columns)), float("-inf"))
+    kept = columns >= 0
+    dense[kept.nonzero(as_tuple=True)[0], columns[kept]] = logits[kept]
+    usable = t2d[ids[:, 0]] if len(ids) else torch.zeros(0, dtype=torch.bool)
+    probs = torch.softmax(dense, dim=-1).nan_to_num(0.0)
+    return probs, usable
+
+
+@dataclass
+class Batch:
+    """Padded TTT inputs for samples of one optimizer step (S = longest length - 1)."""
+
+    aux: torch.Tensor  # [B, S, aux_width]
+    input_ids: torch.Tensor  # [B, S + steps - 1]
+    positions: torch.Tensor  # [B, S]
+    key_mask: torch.Tensor  # [B, S]
+    targets: torch.Tensor  # [B, S + steps, Vd] teacher probabilities at position index + 1
+    supervised: torch.Tensor  # [B, S + steps] bool
+
+
+def make_batch(
+    samples: Sequence[HiddenSample], head: TargetHead, t2d: torch.Tensor, steps: int
+) -> Batch:
+    S = max(len(s.input_ids) for s in samples) - 1
+    B, vd = len(samples), int(t2d.sum())
+    width = samples[0].aux.shape[1] * samples[0].aux.shape[2]
+    batch = Batch(
+        aux=torch.zeros(B, S, width),
+        input_ids=torch.zeros(B, S + steps - 1, dtype=torch.long),
+        positions=torch.arange(S).expand(B, S).clone(),
+        key_mask=torch.zeros(B, S, dtype=torch.bool),
+        targets=torch.zeros(B, S + steps, vd),
+        supervised=torch.zeros(B, S + steps, dtype=torch.bool),
+    )
+    for row, sample in enumerate(samples):
+        T = len(sample.input_ids)
+        batch.aux[row, : T - 1] = sample.aux[: T - 1].reshape(T - 1, width).float()
+        batch.input_ids[row, : T - 1] = sample.input_ids[1:]
+        batch.key_mask[row, : T - 1] = True
+        # teacher position p (loss_mask[p + 1]) serves draft index p - 1 - k at step k
+        positions = sample.loss_mask[1:].nonzero().squeeze(-1)
+        probs, usable = teacher(sample, head, t2d)
+        batch.targets[row, positions] = probs
+        batch.supervised[row, positions] = usable
+    return batch
+
+
+def ttt_loss(
+    model: Eagle3Drafter, batch: Batch, steps: int, decay: float
+) -> tuple[torch.Tensor, list[float], list[float]]:
+    """(weighted loss, per-step loss, per-step accuracy) for one batch."""
+    outputs = model.ttt(batch.aux, batch.input_ids, batch.positions, steps, batch.key_mask)
+    S = batch.aux.shape[1]
+    total = torch.zeros(())
+    losses, accuracies = [], []
+    for k, pre in enumerate(outputs):
+        target = batch.targets[:, 1 + k : 1 + k + S]
+        mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
+        log_probs = F.log_softmax(model.logits(pre).float(), dim=-1)
+        per_position = -(target * log_probs).sum(-1)
+        counts = mask.sum(-1)
+        has = counts > 0
+        per_sample = (per_position * mask).sum(-1)[has] / counts[has]
+        step_loss = per_sample.mean() if len(per_sample) else per_position.sum() * 0.0
+        total = total + decay**k * step_loss
+        hits = ((log_probs.argmax(-1) == target.argmax(-1)) & mask).sum()
+        losses.append(float(step_loss.detach()))
+        accuracies.append(float(hits) / max(int(mask.sum()), 1))
+    return total, losses, accuracies
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warmup, then cosine to zero."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))

@@ -1,0 +1,345 @@
+"""One training run of an EAGLE-3 drafter: warm start, shards in, checkpoints and a vLLM
+export out; resumable, interruptible, data-parallel.
+
+- Resume is exact: model, AdamW moments, schedule, step, each rank's data position and RNG
+  go into an atomic checkpoint (a directory renamed into place, then `latest` rewritten), all
+  tensors in safetensors, scalars in JSON: nothing is ever unpickled.
+- SIGINT/SIGTERM (a Dagster cancel) finish the current step, checkpoint and exit with
+  `Interrupted`; the next run continues from there.
+- Under torchrun every rank reads its own slice of the same sample order and gradients are
+  averaged across ranks (gloo on CPU, NCCL on GPUs); rank 0 reports and writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from eagle3_assets.lib.drafter_io import check_fits_target, read_drafter, write_vllm_drafter
+from eagle3_assets.lib.eagle3_model import Eagle3Drafter
+from eagle3_assets.lib.eagle3_training import TargetHead, cosine_with_warmup, make_batch, ttt_loss
+from eagle3_assets.lib.shard_format import write_atomically
+from eagle3_assets.lib.shard_reader import ShardReader
+
+LATEST = "latest"
+
+
+class Interrupted(RuntimeError):
+    """A signal stopped training after a checkpoint was written."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    batch_dirs: list[str]
+    warm_start: str  # a drafter directory (SpecForge or speculators layout)
+    target: str  # the target's folder: config.json and safetensors (norm, lm_head, embed)
+    out_dir: str
+    steps: int
+    batch_size: int = 4  # samples per rank per step
+    ttt_length: int = 7
+    decay: float = 0.8
+    lr: float = 2e-5  # continued training; ~1e-4 from scratch
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    checkpoint_every: int = 100
+    shuffle_buffer: int = 64
+    seed: int = 0
+
+    @classmethod
+    def from_json(cls, path: Path) -> RunConfig:
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # samples this rank consumed in the epoch
+    tokens: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    steps: int
+    tokens: int
+    seconds: float
+    history: list[dict]
+    checkpoint: Path
+    export: Path
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _samples(reader: ShardReader, progress: Progress) -> Iterator:
+    """Endless samples from the progress's (epoch, position) on, advancing it."""
+    while True:
+        for sample in reader.samples(progress.epoch, progress.position):
+            progress.position += 1
+            yield sample
+        progress.epoch, progress.position = progress.epoch + 1, 0
+
+
+class _StopFlag:
+    """Turns SIGINT/SIGTERM into a flag checked between steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def train(
+    config: RunConfig, report: Callable[[dict], None] = lambda metrics: None
+) -> TrainingResult:
+    rank, world = _rank()
+    torch.manual_seed(config.seed)
+    head = TargetHead(Path(config.target))
+    target_layers = json.loads((Path(config.target) / "config.json").read_text())
+    target_layers = target_layers.get("text_config", target_layers)["num_hidden_layers"]
+    checkpoint = read_drafter(Path(config.warm_start), target_layers)
+    check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
+    model = Eagle3Drafter(checkpoint.config, head.embed)
+    model.load_state_dict(checkpoint.tensors)
+    reader = ShardReader(
+        [Path(d) for d in config.batch_dirs],
+        seed=config.seed,
+        rank=rank,
+        world_size=world,
+        shuffle_buffer=config.shuffle_buffer,
+    )
+    expected = sorted(checkpoint.aux_layer_ids.vllm)
+    if reader.layer_ids["aux"] != expected:
+        raise ValueError(
+            f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
+            f"reads {expected}: re-extract the batches at the drafter's layers"
+        )
+    if len(reader) < config.batch_size:
+        raise ValueError(
+            f"{len(reader)} samples per rank, fewer than batch_size {config.batch_size}"
+        )
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+    )
+    warmup = max(1, round(config.warmup_ratio * config.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_with_warmup(step, config.steps, warmup)
+    )
+    out_dir = Path(config.out_dir)
+    progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
+    samples = _samples(reader, progress)
+    stop = _StopFlag()
+    started = time.monotonic()
+    try:
+        while progress.step < config.steps:
+            batch_samples = [next(samples) for _ in range(config.batch_size)]
+            batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
+            loss, losses, accuracies = ttt_loss(model, batch, config.ttt_length, config.decay)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            reported = [float(loss.detach()), *losses, *accuracies]
+            if world > 1:  # the mean over ranks: each rank's loss is a mean over its samples
+                for p in parameters:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                summed = torch.tensor(reported)
+                dist.all_reduce(summed)
+                reported = (summed / world).tolist()
+            steps = config.ttt_length
+            loss_value, losses, accuracies = (
+                reported[0],
+                reported[1 : 1 + steps],
+                reported[1 + steps :],
+            )
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+            optimizer.step()
+            schedule.step()
+            progress.step += 1
+            tokens = sum(len(s.input_ids) for s in batch_samples) * world
+            progress.tokens += tokens
+            metrics = {
+                "step": progress.step,
+                "loss": loss_value,
+                "step_losses": losses,
+                "accuracy": accuracies,
+                "grad_norm": float(grad_norm),
+                "lr": schedule.get_last_lr()[0],
+                "tokens": progress.tokens,
+                "tokens_per_s": progress.tokens / (time.monotonic() - started),
+            }
+            progress.history.append(metrics)
+            if rank == 0:
+                report(metrics)
+            interrupted = stop.signal is not None
+            if interrupted or progress.step % config.checkpoint_every == 0:
+                _save(out_dir, rank, model, optimizer, schedule, progress)
+            if interrupted:
+                raise Interrupted(
+                    f"signal {stop.signal}: checkpoint at step {progress.step} in {out_dir}"
+                )
+    finally:
+        stop.restore()
+    last = _save(out_dir, rank, model, optimizer, schedule, progress)
+    export = out_dir / "export"
+    if rank == 0:
+        write_vllm_drafter(export, checkpoint.config, model.state_dict(), expected)
+    return TrainingResult(
+        progress.step,
+        progress.tokens,
+        time.monotonic() - started,
+        progress.history,
+        last,
+        export,
+    )
+
+
+def _save(out_dir: Path, rank: int, model, optimizer, schedule, progress: Progress) -> Path:
+    """checkpoints/step-N/ with rank 0's model and optimizer and every rank's data position;
+    a directory renamed into place, then `latest` rewritten: never half a checkpoint."""
+    checkpoints = out_dir / "checkpoints"
+    final = checkpoints / f"step-{progress.step:07d}"
+    rank_state = {
+        "epoch": progress.epoch,
+        "position": progress.position,
+        "python_random": repr(random.getstate()),
+    }
+    if dist.is_available() and dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rank_state)
+    else:
+        gathered = [rank_state]
+    if rank == 0 and not (final / "state.json").exists():
+        staging = checkpoints / f".staging-{progress.step:07d}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()},
+            staging / "model.safetensors",
+        )
+        save_file(_optimizer_tensors(optimizer), staging / "optimizer.safetensors")
+        state = {
+            "step": progress.step,
+            "tokens": progress.tokens,
+            "schedule": schedule.state_dict()["last_epoch"],
+            "ranks": gathered,
+            "history": progress.history,
+        }
+        (staging / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        write_atomically(checkpoints / LATEST, final.name.encode())
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            tensors[f"{index}.{name}"] = torch.as_tensor(value).contiguous()
+    return tensors
+
+
+def _resume(out_dir: Path, rank: int, model, optimizer, schedule) -> Progress | None:
+    latest = out_dir / "checkpoints" / LATEST
+    if not latest.exists():
+        return None
+    directory = latest.parent / latest.read_text().strip()
+    state = json.loads((directory / "state.json").read_text())
+    model.load_state_dict(load_file(directory / "model.safetensors"))
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(directory / "optimizer.safetensors").items():
+        index, name = key.split(".", 1)
+        moments.setdefault(int(index), {})[name] = value
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = moments
+    optimizer.load_state_dict(optimizer_state)
+    schedule.last_epoch = state["schedule"]
+    for group, lr in zip(optimizer.param_groups, schedule.get_lr(), strict=True):
+        group["lr"] = lr
+    mine = state["ranks"][rank]
+    return Progress(
+        step=state["step"],
+        epoch=mine["epoch"],
+        position=mine["position"],
+        tokens=state["tokens"],
+        history=state["history"],
+    )
+
+
+@contextmanager
+def distributed() -> Iterator[None]:
+    """The process group when torchrun started several ranks (gloo on CPU, NCCL on GPUs)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def training_metadata(config: RunConfig, result: TrainingResult) -> dict:
+    """What the finished run reports: numbers a user compares across runs."""
+    last = result.history[-1] if result.history else {}
+    return {
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "tokens_per_s": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
+        "final_loss": round(last.get("loss", float("nan")), 4),
+        "final_accuracy_by_position": [round(a, 4) for a in last.get("accuracy", [])],
+        "loss_curve": [round(m["loss"], 4) for m in result.history],
+        "checkpoint": str(result.checkpoint),
+        "export": str(result.export),
+        "serve_with": json.dumps(
+            {"method": "eagle3", "model": str(result.export), "num_speculative_tokens": 3}
+        ),
+        "lr": config.lr,
+        "ttt_length": config.ttt_length,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`torchrun ... -m eagle3_assets.lib.train_drafter RUN.json`: one process per rank,
+    metrics as JSON lines on rank 0's stdout."""
+    args = sys.argv[1:] if argv is None else argv
+    config = RunConfig.from_json(Path(args[0]))
+    with distributed():
+        try:
+            result = train(config, report=lambda m: print(json.dumps(m), flush=True))
+        except Interrupted as stopped:
+            print(str(stopped), flush=True)
+            return 130
+    print(json.dumps({"done": training_metadata(config, result)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The training process Dagster launches through Pipes: `torchrun ... -m
+eagle3_assets.training_entry RUN.json`. Rank 0 streams each step to the run log and reports
+the materialization; the other ranks only train. Kept out of `defs/` (its imports are heavy)
+and out of `lib/` (it speaks the Pipes protocol)."""
+
+import os
+import sys
+from pathlib import Path
+
+from dagster_pipes import PipesContext, open_dagster_pipes
+
+from eagle3_assets.lib.charts import line_chart_svg, markdown_image
+from eagle3_assets.lib.train_drafter import (
+    Interrupted,
+    RunConfig,
+    distributed,
+    train,
+    training_metadata,
+)
+
+
+def _train(config: RunConfig, pipes: PipesContext | None) -> int:
+    def report(metrics: dict) -> None:
+        if pipes is not None:
+            accuracy = ", ".join(f"{a:.3f}" for a in metrics["accuracy"])
+            pipes.log.info(
+                f"step {metrics['step']}/{config.steps}: loss {metrics['loss']:.4f}, "
+                f"accuracy by TTT position [{accuracy}], lr {metrics['lr']:.2e}, "
+                f"{metrics['tokens_per_s']:,.0f} tokens/s"
+            )
+
+    try:
+        result = train(config, report)
+    except Interrupted as stopped:
+        if pipes is not None:
+            pipes.log.warning(f"{stopped}; materialize again to resume")
+        return 130
+    if pipes is not None:
+        metadata = training_metadata(config, result)
+        metadata["curves"] = {"raw_value": curves(result.history), "type": "md"}
+        pipes.report_asset_materialization(metadata=metadata)
+    return 0
+
+
+def curves(history: list[dict]) -> str:
+    """Loss and per-position accuracy over the steps, as two inline chart images."""
+    loss = line_chart_svg("TTT loss", {"loss": [m["loss"] for m in history]})
+    positions = len(history[0]["accuracy"]) if history else 0
+    accuracy = line_chart_svg(
+        "accuracy by TTT position",
+        {f"pos {k}": [m["accuracy"][k] for m in history] for k in range(positions)},
+    )
+    return f"{markdown_image(loss, 'loss')}\n\n{markdown_image(accuracy, 'accuracy')}"
+
+
+def main() -> int:
+    config = RunConfig.from_json(Path(sys.argv[1]))
+    with distributed():
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open_dagster_pipes() as pipes:
+                return _train(config, pipes)
+        return _train(config, None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
