@@ -20,6 +20,11 @@ def test_definitions_load_with_the_expected_graph():
         "drafter_checkpoint",
         "synthetic_generations",
         "hidden_states",
+        "eagle3_drafter",
+    }
+    assert graph.get(dg.AssetKey("eagle3_drafter")).parent_keys == {
+        dg.AssetKey("drafter_checkpoint"),
+        dg.AssetKey("hidden_states"),
     }
     hidden_states = graph.get(dg.AssetKey("hidden_states"))
     assert hidden_states.parent_keys == {

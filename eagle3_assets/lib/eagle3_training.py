@@ -66,8 +66,15 @@ class TargetHead:
                         found[key] = f.get_tensor(name)
         return found
 
+    def to(self, device: torch.device) -> TargetHead:
+        """The teacher's matmul (P x H x target vocab) belongs on the GPU with the drafter."""
+        self.embed = self.embed.to(device)
+        self.norm_weight = self.norm_weight.to(device)
+        self.lm_head = self.lm_head.to(device)
+        return self
+
     def logits(self, final: torch.Tensor) -> torch.Tensor:
-        x = final.float()
+        x = final.to(self.lm_head.device).float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
         return x @ self.lm_head.T
 
@@ -86,17 +93,19 @@ def teacher(
             usable.append(t2d[logits.argmax(-1)])
             probs.append(torch.softmax(logits[:, draft_columns], dim=-1))
         if not probs:
-            return torch.zeros(0, len(draft_columns)), torch.zeros(0, dtype=torch.bool)
+            empty = torch.zeros(0, len(draft_columns), device=t2d.device)
+            return empty, torch.zeros(0, dtype=torch.bool, device=t2d.device)
         return torch.cat(probs), torch.cat(usable)
     # top-k logits over the target vocab: keep the entries the draft vocab holds
-    draft_index = torch.full((len(t2d),), -1, dtype=torch.long)
-    draft_index[draft_columns] = torch.arange(len(draft_columns))
-    ids, logits = sample.topk_ids, sample.topk_logits.float()
+    device = t2d.device
+    draft_index = torch.full((len(t2d),), -1, dtype=torch.long, device=device)
+    draft_index[draft_columns] = torch.arange(len(draft_columns), device=device)
+    ids, logits = sample.topk_ids.to(device), sample.topk_logits.to(device).float()
     columns = draft_index[ids]
-    dense = torch.full((len(ids), len(draft_columns)), float("-inf"))
+    dense = torch.full((len(ids), len(draft_columns)), float("-inf"), device=device)
     kept = columns >= 0
     dense[kept.nonzero(as_tuple=True)[0], columns[kept]] = logits[kept]
-    usable = t2d[ids[:, 0]] if len(ids) else torch.zeros(0, dtype=torch.bool)
+    usable = t2d[ids[:, 0]] if len(ids) else torch.zeros(0, dtype=torch.bool, device=device)
     probs = torch.softmax(dense, dim=-1).nan_to_num(0.0)
     return probs, usable
 
@@ -116,24 +125,26 @@ class Batch:
 def make_batch(
     samples: Sequence[HiddenSample], head: TargetHead, t2d: torch.Tensor, steps: int
 ) -> Batch:
+    """On t2d's device (the drafter's)."""
+    device = t2d.device
     S = max(len(s.input_ids) for s in samples) - 1
     B, vd = len(samples), int(t2d.sum())
     width = samples[0].aux.shape[1] * samples[0].aux.shape[2]
     batch = Batch(
-        aux=torch.zeros(B, S, width),
-        input_ids=torch.zeros(B, S + steps - 1, dtype=torch.long),
-        positions=torch.arange(S).expand(B, S).clone(),
-        key_mask=torch.zeros(B, S, dtype=torch.bool),
-        targets=torch.zeros(B, S + steps, vd),
-        supervised=torch.zeros(B, S + steps, dtype=torch.bool),
+        aux=torch.zeros(B, S, width, device=device),
+        input_ids=torch.zeros(B, S + steps - 1, dtype=torch.long, device=device),
+        positions=torch.arange(S, device=device).expand(B, S).clone(),
+        key_mask=torch.zeros(B, S, dtype=torch.bool, device=device),
+        targets=torch.zeros(B, S + steps, vd, device=device),
+        supervised=torch.zeros(B, S + steps, dtype=torch.bool, device=device),
     )
     for row, sample in enumerate(samples):
         T = len(sample.input_ids)
-        batch.aux[row, : T - 1] = sample.aux[: T - 1].reshape(T - 1, width).float()
-        batch.input_ids[row, : T - 1] = sample.input_ids[1:]
+        batch.aux[row, : T - 1] = sample.aux[: T - 1].reshape(T - 1, width).to(device).float()
+        batch.input_ids[row, : T - 1] = sample.input_ids[1:].to(device)
         batch.key_mask[row, : T - 1] = True
         # teacher position p (loss_mask[p + 1]) serves draft index p - 1 - k at step k
-        positions = sample.loss_mask[1:].nonzero().squeeze(-1)
+        positions = sample.loss_mask[1:].nonzero().squeeze(-1).to(device)
         probs, usable = teacher(sample, head, t2d)
         batch.targets[row, positions] = probs
         batch.supervised[row, positions] = usable
@@ -146,7 +157,7 @@ def ttt_loss(
     """(weighted loss, per-step loss, per-step accuracy) for one batch."""
     outputs = model.ttt(batch.aux, batch.input_ids, batch.positions, steps, batch.key_mask)
     S = batch.aux.shape[1]
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.aux.device)
     losses, accuracies = [], []
     for k, pre in enumerate(outputs):
         target = batch.targets[:, 1 + k : 1 + k + S]
@@ -170,3 +181,29 @@ def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(total - warmup, 1)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def derive_vocab_maps(
+    counts: torch.Tensor, draft_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the `draft_vocab_size` target tokens most frequent among the response
+    tokens (`counts` over the target vocab); ties and, when the corpus has fewer distinct
+    tokens, the padding go to the lowest ids; sorted by id, as vLLM expects."""
+    order = sorted(range(len(counts)), key=lambda token: (-int(counts[token]), token))
+    used = torch.tensor(sorted(order[:draft_vocab_size]), dtype=torch.long)
+    t2d = torch.zeros(len(counts), dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab_size), t2d
+
+
+def remap_lm_head(lm_head: torch.Tensor, old_d2t: torch.Tensor, new_d2t: torch.Tensor):
+    """lm_head rows moved to the new draft ids of the same target tokens; tokens new to the
+    draft vocab start from zero rows (no logit preference), never from another token's row."""
+    old_targets = (torch.arange(len(old_d2t)) + old_d2t).tolist()
+    new_targets = (torch.arange(len(new_d2t)) + new_d2t).tolist()
+    row_of = {target: row for row, target in enumerate(old_targets)}
+    remapped = torch.zeros(len(new_d2t), lm_head.shape[1], dtype=lm_head.dtype)
+    for row, target in enumerate(new_targets):
+        if target in row_of:
+            remapped[row] = lm_head[row_of[target]]
+    return remapped

@@ -83,6 +83,16 @@ class ShardReader:
         for shard, index in self.order(epoch)[start:]:
             yield self._file(self.shards[shard][0]).sample(index, self.dtype)
 
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each target token is a response token, over every shard (ids and masks
+        only: the states are not read)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for path, _ in self.shards:
+            shard = self._file(path)
+            ids, mask = shard.tensor("input_ids").long(), shard.tensor("loss_mask")
+            counts += torch.bincount(ids[mask], minlength=vocab_size)
+        return counts
+
     def _file(self, path: Path) -> ShardFile:
         if path in self._files:
             self._files.move_to_end(path)

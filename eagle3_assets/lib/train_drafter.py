@@ -1,9 +1,11 @@
 """One training run of an EAGLE-3 drafter: warm start, shards in, checkpoints and a vLLM
 export out; resumable, interruptible, data-parallel.
 
-- Resume is exact: model, AdamW moments, schedule, step, each rank's data position and RNG
-  go into an atomic checkpoint (a directory renamed into place, then `latest` rewritten), all
-  tensors in safetensors, scalars in JSON: nothing is ever unpickled.
+- Resume is exact: model, AdamW moments, schedule, step and each rank's data position (the
+  order is a function of seed and epoch; nothing else is random) go into an atomic
+  checkpoint (a directory renamed into place, then `latest` rewritten), all tensors in
+  safetensors, scalars in JSON: nothing is ever unpickled.
+- fp32 master weights and AdamW state; bf16 autocast on GPUs, fp32 on the CPU.
 - SIGINT/SIGTERM (a Dagster cancel) finish the current step, checkpoint and exit with
   `Interrupted`; the next run continues from there.
 - Under torchrun every rank reads its own slice of the same sample order and gradients are
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import sys
@@ -30,7 +31,14 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.lib.drafter_io import check_fits_target, read_drafter, write_vllm_drafter
 from eagle3_assets.lib.eagle3_model import Eagle3Drafter
-from eagle3_assets.lib.eagle3_training import TargetHead, cosine_with_warmup, make_batch, ttt_loss
+from eagle3_assets.lib.eagle3_training import (
+    TargetHead,
+    cosine_with_warmup,
+    derive_vocab_maps,
+    make_batch,
+    remap_lm_head,
+    ttt_loss,
+)
 from eagle3_assets.lib.shard_format import write_atomically
 from eagle3_assets.lib.shard_reader import ShardReader
 
@@ -58,6 +66,7 @@ class RunConfig:
     checkpoint_every: int = 100
     shuffle_buffer: int = 64
     seed: int = 0
+    rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -89,6 +98,15 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def _device() -> torch.device:
+    """This rank's GPU under torchrun (LOCAL_RANK), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def _samples(reader: ShardReader, progress: Progress) -> Iterator:
     """Endless samples from the progress's (epoch, position) on, advancing it."""
     while True:
@@ -117,14 +135,13 @@ def train(
     config: RunConfig, report: Callable[[dict], None] = lambda metrics: None
 ) -> TrainingResult:
     rank, world = _rank()
+    device = _device()
     torch.manual_seed(config.seed)
-    head = TargetHead(Path(config.target))
+    head = TargetHead(Path(config.target)).to(device)
     target_layers = json.loads((Path(config.target) / "config.json").read_text())
     target_layers = target_layers.get("text_config", target_layers)["num_hidden_layers"]
     checkpoint = read_drafter(Path(config.warm_start), target_layers)
     check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
-    model = Eagle3Drafter(checkpoint.config, head.embed)
-    model.load_state_dict(checkpoint.tensors)
     reader = ShardReader(
         [Path(d) for d in config.batch_dirs],
         seed=config.seed,
@@ -132,6 +149,15 @@ def train(
         world_size=world,
         shuffle_buffer=config.shuffle_buffer,
     )
+    tensors = dict(checkpoint.tensors)
+    if config.rederive_vocab:  # every rank counts every shard: the same maps everywhere
+        counts = reader.response_token_counts(checkpoint.config.vocab_size)
+        d2t, t2d = derive_vocab_maps(counts, checkpoint.config.draft_vocab_size)
+        tensors["lm_head.weight"] = remap_lm_head(tensors["lm_head.weight"], tensors["d2t"], d2t)
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    model = Eagle3Drafter(checkpoint.config, head.embed)
+    model.load_state_dict(tensors)
+    model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
     expected = sorted(checkpoint.aux_layer_ids.vllm)
     if reader.layer_ids["aux"] != expected:
         raise ValueError(
@@ -159,7 +185,8 @@ def train(
         while progress.step < config.steps:
             batch_samples = [next(samples) for _ in range(config.batch_size)]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
-            loss, losses, accuracies = ttt_loss(model, batch, config.ttt_length, config.decay)
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss, losses, accuracies = ttt_loss(model, batch, config.ttt_length, config.decay)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             reported = [float(loss.detach()), *losses, *accuracies]
@@ -223,11 +250,7 @@ def _save(out_dir: Path, rank: int, model, optimizer, schedule, progress: Progre
     a directory renamed into place, then `latest` rewritten: never half a checkpoint."""
     checkpoints = out_dir / "checkpoints"
     final = checkpoints / f"step-{progress.step:07d}"
-    rank_state = {
-        "epoch": progress.epoch,
-        "position": progress.position,
-        "python_random": repr(random.getstate()),
-    }
+    rank_state = {"epoch": progress.epoch, "position": progress.position}
     if dist.is_available() and dist.is_initialized():
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, rank_state)
@@ -262,7 +285,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tens
     tensors = {}
     for index, state in optimizer.state_dict()["state"].items():
         for name, value in state.items():
-            tensors[f"{index}.{name}"] = torch.as_tensor(value).contiguous()
+            tensors[f"{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     return tensors
 
 

@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from eagle3_assets.lib.eagle3_training import TargetHead, derive_vocab_maps, teacher
 from eagle3_assets.lib.hidden_capture import HFTarget
 from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
 from eagle3_assets.lib.shard_format import ShardFormat
+from eagle3_assets.lib.shard_reader import ShardReader
 from eagle3_assets.lib.token_sequences import build_sequences
 from eagle3_assets.lib.train_drafter import Interrupted, RunConfig, train
 from eagle3_assets.localdev.greedy import greedy_generation_rows
@@ -140,3 +142,55 @@ def test_shards_at_other_layers_fail_before_training(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"hold aux layers \[1, 3, 4\].*reads \[2, 4, 5\]"):
         train(config(corpus, tmp_path / "out", batch_dirs=[str(other)]))
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_rederiving_the_vocab_is_explicit_and_moves_lm_head_rows(corpus, tmp_path):
+    result = train(config(corpus, tmp_path, steps=2, lr=1e-9, rederive_vocab=True))
+    exported = load_file(result.export / "model.safetensors")
+    warm = load_file(corpus["drafter"] / "model.safetensors")
+    reader = ShardReader([Path(d) for d in config(corpus, tmp_path).batch_dirs])
+    d2t, t2d = derive_vocab_maps(reader.response_token_counts(1024), 256)
+    assert torch.equal(exported["d2t"], d2t) and torch.equal(exported["t2d"], t2d)
+    assert not torch.equal(exported["t2d"], warm["t2d"])
+    # a target token in both vocabs keeps its lm_head row (lr ~0: the rows barely move)
+    old = {int(t): r for r, t in enumerate(torch.arange(256) + warm["d2t"])}
+    for row, token in enumerate((torch.arange(256) + d2t).tolist()):
+        if token in old:
+            torch.testing.assert_close(
+                exported["lm_head.weight"][row],
+                warm["lm_head.weight"][old[token]],
+                atol=1e-6,
+                rtol=0,
+            )
+        else:
+            assert exported["lm_head.weight"][row].abs().max() < 1e-6
+
+
+def test_vocab_maps_from_counts():
+    counts = torch.tensor([0, 5, 5, 9, 0, 1, 0, 0])
+    d2t, t2d = derive_vocab_maps(counts, 3)
+    assert t2d.nonzero().flatten().tolist() == [1, 2, 3]  # most frequent, ties to lower ids
+    assert (torch.arange(3) + d2t).tolist() == [1, 2, 3]
+    _, padded = derive_vocab_maps(counts, 6)  # only 4 distinct tokens: padded with low ids
+    assert padded.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_top_k_teacher_over_the_whole_vocab_equals_the_state_teacher(corpus):
+    head = TargetHead(corpus["target"])
+    batch_dir = sorted((corpus["root"] / "hidden_states").iterdir())[0]
+    sample = next(ShardReader([batch_dir]).samples())
+    t2d = load_file(corpus["drafter"] / "model.safetensors")["t2d"]
+    logits = head.logits(sample.final)
+    values, ids = logits.sort(dim=-1, descending=True)
+    as_topk = dataclasses.replace(sample, final=None, topk_logits=values, topk_ids=ids)
+    probs, usable = teacher(sample, head, t2d)
+    top_probs, top_usable = teacher(as_topk, head, t2d)
+    torch.testing.assert_close(top_probs, probs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(top_usable, usable) and usable.any()
+    # a short top-k keeps fewer draft entries, renormalized, and the same argmax mask
+    short_probs, short_usable = teacher(
+        dataclasses.replace(as_topk, topk_logits=values[:, :8], topk_ids=ids[:, :8]), head, t2d
+    )
+    assert torch.equal(short_usable, usable)
+    assert ((short_probs > 0).sum(-1) <= 8).all()
+    torch.testing.assert_close(short_probs.sum(-1), torch.ones(len(short_probs)))
