@@ -46,6 +46,25 @@ class DrafterConfig:
         return self.num_aux_hidden_states * (self.target_hidden_size or self.hidden_size)
 
 
+def scratch_config(target: dict, draft_vocab_size: int) -> DrafterConfig:
+    """A drafter shaped like the target's layers (the usual EAGLE-3 choice), from its
+    config.json fields (the language model's, for multimodal configs)."""
+    hidden, heads = target["hidden_size"], target["num_attention_heads"]
+    rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=target.get("num_key_value_heads") or heads,
+        head_dim=target.get("head_dim") or hidden // heads,
+        intermediate_size=target["intermediate_size"],
+        vocab_size=target["vocab_size"],
+        draft_vocab_size=min(draft_vocab_size, target["vocab_size"]),
+        rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", target.get("rope_theta", 10000.0)),
+        max_position_embeddings=target.get("max_position_embeddings", 4096),
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

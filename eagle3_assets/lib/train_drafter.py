@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.lib.drafter_io import check_fits_target, read_drafter, write_vllm_drafter
-from eagle3_assets.lib.eagle3_model import Eagle3Drafter
+from eagle3_assets.lib.eagle3_model import Eagle3Drafter, scratch_config
 from eagle3_assets.lib.eagle3_training import (
     TargetHead,
     cosine_with_warmup,
@@ -52,7 +52,7 @@ class Interrupted(RuntimeError):
 @dataclass(frozen=True)
 class RunConfig:
     batch_dirs: list[str]
-    warm_start: str  # a drafter directory (SpecForge or speculators layout)
+    warm_start: str | None  # a drafter directory (SpecForge or speculators); None: scratch
     target: str  # the target's folder: config.json and safetensors (norm, lm_head, embed)
     out_dir: str
     steps: int
@@ -67,6 +67,7 @@ class RunConfig:
     shuffle_buffer: int = 64
     seed: int = 0
     rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
+    draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -98,6 +99,41 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def _drafter(
+    config: RunConfig, head: TargetHead, reader: ShardReader
+) -> tuple[Eagle3Drafter, tuple[int, ...]]:
+    """The model to train and its aux ids: the warm start (its d2t/t2d kept unless the run
+    re-derives them, lm_head rows following their tokens), or, without one, a fresh drafter
+    shaped like the target at the layers the shards hold, its vocab from their responses."""
+    target = json.loads((Path(config.target) / "config.json").read_text())
+    target = target.get("text_config", target)
+    if config.warm_start is None:
+        model = Eagle3Drafter(scratch_config(target, config.draft_vocab_size), head.embed)
+        d2t, t2d = derive_vocab_maps(
+            reader.response_token_counts(model.config.vocab_size), model.config.draft_vocab_size
+        )
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        return model, tuple(reader.layer_ids["aux"])
+    checkpoint = read_drafter(Path(config.warm_start), target["num_hidden_layers"])
+    check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
+    aux_ids = tuple(sorted(checkpoint.aux_layer_ids.vllm))
+    if list(aux_ids) != reader.layer_ids["aux"]:
+        raise ValueError(
+            f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
+            f"reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
+        )
+    tensors = dict(checkpoint.tensors)
+    if config.rederive_vocab:  # every rank counts every shard: the same maps everywhere
+        counts = reader.response_token_counts(checkpoint.config.vocab_size)
+        d2t, t2d = derive_vocab_maps(counts, checkpoint.config.draft_vocab_size)
+        tensors["lm_head.weight"] = remap_lm_head(tensors["lm_head.weight"], tensors["d2t"], d2t)
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    model = Eagle3Drafter(checkpoint.config, head.embed)
+    model.load_state_dict(tensors)
+    return model, aux_ids
+
+
 def _device() -> torch.device:
     """This rank's GPU under torchrun (LOCAL_RANK), else the CPU."""
     if not torch.cuda.is_available():
@@ -126,6 +162,15 @@ class _StopFlag:
     def _set(self, signum: int, frame: object) -> None:
         self.signal = signum
 
+    def anywhere(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was signalled: ranks get the signal at slightly different points
+        of a step, and all must stop after the same step or their collectives deadlock."""
+        if world == 1:
+            return self.signal is not None
+        flag = torch.tensor([0 if self.signal is None else 1], device=device)  # NCCL: on GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
@@ -138,10 +183,6 @@ def train(
     device = _device()
     torch.manual_seed(config.seed)
     head = TargetHead(Path(config.target)).to(device)
-    target_layers = json.loads((Path(config.target) / "config.json").read_text())
-    target_layers = target_layers.get("text_config", target_layers)["num_hidden_layers"]
-    checkpoint = read_drafter(Path(config.warm_start), target_layers)
-    check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
     reader = ShardReader(
         [Path(d) for d in config.batch_dirs],
         seed=config.seed,
@@ -149,21 +190,8 @@ def train(
         world_size=world,
         shuffle_buffer=config.shuffle_buffer,
     )
-    tensors = dict(checkpoint.tensors)
-    if config.rederive_vocab:  # every rank counts every shard: the same maps everywhere
-        counts = reader.response_token_counts(checkpoint.config.vocab_size)
-        d2t, t2d = derive_vocab_maps(counts, checkpoint.config.draft_vocab_size)
-        tensors["lm_head.weight"] = remap_lm_head(tensors["lm_head.weight"], tensors["d2t"], d2t)
-        tensors["d2t"], tensors["t2d"] = d2t, t2d
-    model = Eagle3Drafter(checkpoint.config, head.embed)
-    model.load_state_dict(tensors)
+    model, aux_ids = _drafter(config, head, reader)
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
-    expected = sorted(checkpoint.aux_layer_ids.vllm)
-    if reader.layer_ids["aux"] != expected:
-        raise ValueError(
-            f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
-            f"reads {expected}: re-extract the batches at the drafter's layers"
-        )
     if len(reader) < config.batch_size:
         raise ValueError(
             f"{len(reader)} samples per rank, fewer than batch_size {config.batch_size}"
@@ -194,7 +222,7 @@ def train(
                 for p in parameters:
                     dist.all_reduce(p.grad)
                     p.grad /= world
-                summed = torch.tensor(reported)
+                summed = torch.tensor(reported, device=device)
                 dist.all_reduce(summed)
                 reported = (summed / world).tolist()
             steps = config.ttt_length
@@ -222,7 +250,7 @@ def train(
             progress.history.append(metrics)
             if rank == 0:
                 report(metrics)
-            interrupted = stop.signal is not None
+            interrupted = stop.anywhere(world, device)
             if interrupted or progress.step % config.checkpoint_every == 0:
                 _save(out_dir, rank, model, optimizer, schedule, progress)
             if interrupted:
@@ -234,7 +262,7 @@ def train(
     last = _save(out_dir, rank, model, optimizer, schedule, progress)
     export = out_dir / "export"
     if rank == 0:
-        write_vllm_drafter(export, checkpoint.config, model.state_dict(), expected)
+        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids)
     return TrainingResult(
         progress.step,
         progress.tokens,

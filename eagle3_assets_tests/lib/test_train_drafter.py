@@ -100,34 +100,47 @@ def test_sigint_checkpoints_and_the_resumed_run_follows_the_uninterrupted_one(co
     assert losses(resumed.history) == losses(straight.history)
 
 
+def torchrun(run: RunConfig, run_file: Path, **popen) -> subprocess.Popen:
+    """Two gloo ranks of the training entry point, as the eagle3_drafter asset starts them."""
+    run_file.write_text(json.dumps(dataclasses.asdict(run)))
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "eagle3_assets.lib.train_drafter", str(run_file)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=REPO, text=True, env=environment, **popen)
+
+
 def test_two_gloo_ranks_match_one_process(corpus, tmp_path):
     single = train(config(corpus, tmp_path / "single", steps=5, shuffle_buffer=1))
-    run_file = tmp_path / "run.json"
     two = config(corpus, tmp_path / "ranks", steps=5, shuffle_buffer=1, batch_size=2)
-    run_file.write_text(json.dumps(dataclasses.asdict(two)))
-    torchrun = Path(sys.executable).parent / "torchrun"
-    output = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "eagle3_assets.lib.train_drafter",
-            str(run_file),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert output.returncode == 0, output.stderr[-3000:]
-    reported = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("{")]
+    ranks = torchrun(two, tmp_path / "run.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = ranks.communicate(timeout=600)
+    assert ranks.returncode == 0, stderr[-3000:]
+    reported = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     steps = [m for m in reported if "step" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
     for ours, theirs in zip(steps, single.history, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+
+
+def test_sigint_to_torchrun_checkpoints_every_rank_then_resumes(corpus, tmp_path):
+    """What a Dagster cancel does: SIGINT to torchrun, which passes a signal to its ranks."""
+    run = config(corpus, tmp_path / "out", steps=400, batch_size=2, checkpoint_every=1000)
+    ranks = torchrun(run, tmp_path / "run.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in ranks.stdout:
+        if line.startswith("{") and json.loads(line).get("step", 0) >= 3:
+            break
+    ranks.send_signal(signal.SIGINT)
+    _, stderr = ranks.communicate(timeout=120)
+    assert ranks.returncode != 0
+    latest = tmp_path / "out" / "checkpoints" / "latest"
+    assert latest.exists(), stderr[-3000:]
+    state = json.loads((latest.parent / latest.read_text() / "state.json").read_text())
+    assert 3 <= state["step"] < 400 and len(state["ranks"]) == 2  # both ranks' positions
+    again = dataclasses.replace(run, steps=state["step"] + 2)
+    resumed = torchrun(again, tmp_path / "run.json", stdout=subprocess.PIPE)
+    stdout, _ = resumed.communicate(timeout=600)
+    steps = [json.loads(line)["step"] for line in stdout.splitlines() if line.startswith('{"step"')]
+    assert resumed.returncode == 0 and steps == [state["step"] + 1, state["step"] + 2]
 
 
 def test_shards_at_other_layers_fail_before_training(corpus, tmp_path):
@@ -194,3 +207,17 @@ def test_top_k_teacher_over_the_whole_vocab_equals_the_state_teacher(corpus):
     assert torch.equal(short_usable, usable)
     assert ((short_probs > 0).sum(-1) <= 8).all()
     torch.testing.assert_close(short_probs.sum(-1), torch.ones(len(short_probs)))
+
+
+def test_from_scratch_the_vocab_comes_from_the_responses(corpus, tmp_path):
+    run = config(corpus, tmp_path, warm_start=None, draft_vocab_size=256, steps=30)
+    result = train(run)
+    history = [m["loss"] for m in result.history]
+    assert sum(history[-5:]) < 0.8 * sum(history[:5])
+    exported = load_file(result.export / "model.safetensors")
+    reader = ShardReader([Path(d) for d in run.batch_dirs])
+    d2t, t2d = derive_vocab_maps(reader.response_token_counts(1024), 256)
+    assert torch.equal(exported["d2t"], d2t) and torch.equal(exported["t2d"], t2d)
+    exported_config = json.loads((result.export / "config.json").read_text())
+    assert exported_config["hidden_size"] == 64 and exported_config["draft_vocab_size"] == 256
+    assert exported_config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # the shards'

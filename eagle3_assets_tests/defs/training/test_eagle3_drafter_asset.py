@@ -33,13 +33,17 @@ def test_finetunes_on_every_extracted_batch(pipeline_env, monkeypatch):
         instance=instance,
     ).success
 
-    def train() -> dict:
+    def train() -> tuple[dict, list[str]]:
         result = dg.materialize([eagle3_drafter], resources=resources, instance=instance)
         assert result.success
         (event,) = result.get_asset_materialization_events()
-        return {k: v.value for k, v in event.materialization.metadata.items()}
+        logs = [record.user_message for record in instance.all_logs(result.run_id)]
+        return {k: v.value for k, v in event.materialization.metadata.items()}, logs
 
-    meta = train()
+    meta, logs = train()
+    # rank 0 streams every step into the run log
+    assert sum("accuracy by TTT position" in m for m in logs) == 12
+    assert any("step 12/12: loss" in m for m in logs)
     assert meta["steps"] == 12 and len(meta["loss_curve"]) == 12
     assert meta["loss_curve"][-1] < meta["loss_curve"][0]
     assert len(meta["final_accuracy_by_position"]) == 3
@@ -52,5 +56,5 @@ def test_finetunes_on_every_extracted_batch(pipeline_env, monkeypatch):
     assert exported["d2t"].equal(warm["d2t"]) and exported["t2d"].equal(warm["t2d"])
     assert json.loads(meta["serve_with"])["model"] == str(export)
 
-    again = train()  # same batches and recipe: the finished run's last checkpoint, no new steps
+    again, _ = train()  # same batches and recipe: the finished run's last checkpoint, no new steps
     assert again["steps"] == 12 and again["loss_curve"] == meta["loss_curve"]
