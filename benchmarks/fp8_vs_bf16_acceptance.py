@@ -9,7 +9,6 @@ on the held-out prompts; the warm start itself is measured too. Goal: fp8 costs 
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, 
 from eagle3_assets.lib.shard_format import ShardFormat
 from eagle3_assets.lib.token_sequences import build_sequences
 from eagle3_assets.lib.train_drafter import RunConfig, train
-from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready
+from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import train_world_drafter
@@ -36,14 +35,7 @@ SAMPLES, MAX_NEW_TOKENS, STEPS, DRAFT_TOKENS = 192, 96, 200, 3
 
 def serve_and_measure(world, drafter: Path, run_dir: Path, port: int, prompts) -> Acceptance:
     spec = miniature_server(world.target_v2, run_dir, port, SERVED_TARGET_NAME)
-    spec = dataclasses.replace(
-        spec,
-        speculative_config={
-            "method": "eagle3",
-            "model": str(drafter),
-            "num_speculative_tokens": DRAFT_TOKENS,
-        },
-    )
+    spec = with_eagle3_drafter(spec, drafter, DRAFT_TOKENS)
     start(spec)
     try:
         wait_ready(spec, timeout_s=600)

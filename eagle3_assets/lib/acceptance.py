@@ -51,7 +51,8 @@ class Acceptance:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def _counters(base_url: str, api_key: str | None) -> dict[str, float | dict[int, float]]:
+def snapshot(base_url: str, api_key: str | None = None) -> dict[str, float | dict[int, float]]:
+    """The speculative-decoding counters now; acceptance is the difference of two."""
     metrics = fetch_metrics(base_url, api_key=api_key)
     totals: dict[str, float | dict[int, float]] = {
         name: sum(metrics.get(name, {}).values())
@@ -88,12 +89,15 @@ def measure_acceptance(
 ) -> Acceptance:
     """Run the conversations greedy and read what the engine counted meanwhile (nothing
     else should use the server during the measurement)."""
-    before = _counters(base_url, api_key)
+    before = snapshot(base_url, api_key)
     started = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda m: chat(base_url, model, m, max_tokens, api_key), conversations))
-    seconds = time.monotonic() - started
-    after = _counters(base_url, api_key)
+    return between(before, snapshot(base_url, api_key), time.monotonic() - started)
+
+
+def between(before: dict, after: dict, seconds: float) -> Acceptance:
+    """What the engine counted from snapshot `before` to snapshot `after`."""
     positions = sorted(after[PER_POSITION])
     return Acceptance(
         drafts=after[DRAFTS] - before[DRAFTS],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -63,6 +64,18 @@ class VLLMLaunchSpec:
     @property
     def log_file(self) -> Path:
         return self.run_dir / "server.log"
+
+
+def with_eagle3_drafter(
+    spec: VLLMLaunchSpec, drafter_dir: Path, num_speculative_tokens: int
+) -> VLLMLaunchSpec:
+    """`spec` serving the drafter in `drafter_dir` as its EAGLE-3 speculator."""
+    speculative = {
+        "method": "eagle3",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    return dataclasses.replace(spec, speculative_config=speculative)
 
 
 def build_command(spec: VLLMLaunchSpec) -> list[str]:

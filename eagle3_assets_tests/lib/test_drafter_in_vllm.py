@@ -11,16 +11,17 @@ Each drafter server runs and stops before the next, and before the session's pla
 
 import json
 import re
+import time
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
+from eagle3_assets.lib.acceptance import Acceptance, between, snapshot
 from eagle3_assets.lib.drafter_checkpoint import TargetShape
 from eagle3_assets.lib.drafter_io import read_drafter, write_vllm_drafter
-from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready
-from eagle3_assets.lib.vllm_probe import fetch_metrics
+from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.hub import make_untrained_drafter, train_world_drafter
 from eagle3_assets_tests.conftest import free_port
@@ -30,17 +31,12 @@ pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 8
 MAX_TOKENS = 48
 DRAFT_TOKENS = 3
-COUNTERS = (
-    "vllm:spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-)
 
 
 @dataclass(frozen=True)
 class SpeculativeRun:
     outputs: list[list[int]]  # generated token ids per prompt
-    deltas: dict[str, float]  # COUNTERS over the run
+    counted: Acceptance  # what vLLM's /metrics counted over the run
     log: str
 
 
@@ -68,11 +64,6 @@ def greedy_token_ids(base_url: str, messages: list[dict]) -> list[int]:
         return json.loads(response.read())["choices"][0]["token_ids"]
 
 
-def counters(base_url: str) -> dict[str, float]:
-    metrics = fetch_metrics(base_url)
-    return {name: sum(metrics.get(name, {}).values()) for name in COUNTERS}
-
-
 def export(source: Path, out_dir: Path, target_dir: Path) -> Path:
     target = TargetShape.from_config(target_dir)
     checkpoint = read_drafter(source, target.num_hidden_layers)
@@ -85,25 +76,17 @@ def export(source: Path, out_dir: Path, target_dir: Path) -> Path:
 def serve_and_run(test_world, serving_python, drafter: Path, run_dir: Path) -> SpeculativeRun:
     """Start vLLM with the drafter, run the prompts greedy, stop it."""
     spec = miniature_server(test_world.target_v2, run_dir, free_port(), SERVED_TARGET_NAME)
-    spec = replace(
-        spec,
-        python=serving_python,
-        speculative_config={
-            "method": "eagle3",
-            "model": str(drafter),
-            "num_speculative_tokens": DRAFT_TOKENS,
-        },
-    )
+    spec = replace(with_eagle3_drafter(spec, drafter, DRAFT_TOKENS), python=serving_python)
     start(spec)
     try:
         wait_ready(spec, timeout_s=600)
-        before = counters(spec.base_url)
+        before = snapshot(spec.base_url)
+        started = time.monotonic()
         outputs = [greedy_token_ids(spec.base_url, m) for m in conversations(test_world.prompts)]
-        after = counters(spec.base_url)
+        counted = between(before, snapshot(spec.base_url), time.monotonic() - started)
     finally:
         stop(spec.run_dir, grace_s=30)
-    deltas = {name: after[name] - before[name] for name in COUNTERS}
-    return SpeculativeRun(outputs, deltas, spec.log_file.read_text(errors="replace"))
+    return SpeculativeRun(outputs, counted, spec.log_file.read_text(errors="replace"))
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +106,6 @@ def runs(test_world, test_hub, serving_python, tmp_path_factory) -> dict[str, Sp
     }
 
 
-def acceptance(run: SpeculativeRun) -> float:
-    """Mean acceptance length: 1 + accepted / drafts."""
-    deltas = run.deltas
-    return 1 + deltas["vllm:spec_decode_num_accepted_tokens_total"] / max(
-        deltas["vllm:spec_decode_num_drafts_total"], 1
-    )
-
-
 @pytest.mark.parametrize("name", ["untrained", "trained"])
 def test_vllm_takes_the_aux_layers_from_our_config(runs, name):
     # "from (speculative) config", not "from model": (2, 4, 5) is also vLLM's default for
@@ -144,18 +119,18 @@ def test_vllm_takes_the_aux_layers_from_our_config(runs, name):
 
 @pytest.mark.parametrize("name", ["untrained", "trained"])
 def test_vllm_drafts_with_it(runs, name):
-    deltas = runs[name].deltas
-    drafts = deltas["vllm:spec_decode_num_drafts_total"]
-    info = f"{name}: deltas {deltas}, mean acceptance length {acceptance(runs[name]):.3f}"
+    counted = runs[name].counted
+    drafts = counted.drafts
+    info = f"{name}: {counted}, mean acceptance length {counted.mean_length:.3f}"
     print(info)  # shown by `pytest -rP`
     assert drafts > 0, info
-    assert deltas["vllm:spec_decode_num_draft_tokens_total"] == DRAFT_TOKENS * drafts, info
+    assert counted.draft_tokens == DRAFT_TOKENS * drafts, info
 
 
 def test_the_trained_drafter_is_accepted_more(runs):
     # measured: untrained 1.000 (0 of 465 draft tokens), trained for target-v1 and served
     # with target-v2 (the K2 drafter on K2.5, in miniature) 1.131: low, as that story goes
-    untrained, trained = acceptance(runs["untrained"]), acceptance(runs["trained"])
+    untrained, trained = (runs[n].counted.mean_length for n in ("untrained", "trained"))
     assert trained > untrained + 0.05, f"trained {trained:.3f} vs untrained {untrained:.3f}"
 
 
