@@ -41,15 +41,6 @@ class Acceptance:
     def per_position(self) -> list[float]:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
 
-    @property
-    def rate(self) -> float:
-        """Accepted share of the drafted tokens."""
-        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds else 0.0
-
 
 def snapshot(base_url: str, api_key: str | None = None) -> dict[str, float | dict[int, float]]:
     """The speculative-decoding counters now; acceptance is the difference of two."""
