@@ -8,14 +8,12 @@ drafts. Counters are summed over label sets, so several engines' series add up.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from eagle3_assets.lib.vllm_probe import fetch_metrics
+from eagle3_assets.lib.vllm_probe import fetch_metrics, smoke_chat
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -57,19 +55,6 @@ def snapshot(base_url: str, api_key: str | None = None) -> dict[str, float | dic
     return totals
 
 
-def chat(base_url: str, model: str, messages: list[dict], max_tokens: int, api_key=None) -> dict:
-    """One greedy chat completion (the server applies the chat template)."""
-    payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(
-        f"{base_url}/v1/chat/completions", json.dumps(payload).encode(), headers
-    )
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.loads(response.read())
-
-
 def measure_acceptance(
     base_url: str,
     model: str,
@@ -83,7 +68,12 @@ def measure_acceptance(
     before = snapshot(base_url, api_key)
     started = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(lambda m: chat(base_url, model, m, max_tokens, api_key), conversations))
+        list(
+            pool.map(
+                lambda m: smoke_chat(base_url, model, m, max_tokens, 600.0, api_key),
+                conversations,
+            )
+        )
     return between(before, snapshot(base_url, api_key), time.monotonic() - started)
 
 
