@@ -247,7 +247,6 @@ def synthetic_batch(config: DrafterConfig, length: int, ttt: int, seed: int) -> 
     return Batch(
         aux=torch.randn(1, length, config.aux_width, generator=generator),
         input_ids=torch.randint(0, STANDIN_VOCAB, (1, length + ttt - 1), generator=generator),
-        positions=torch.arange(length)[None],
         key_mask=torch.ones(1, length, dtype=torch.bool),
         targets=teacher.softmax(-1),
         supervised=torch.ones(1, length + ttt, dtype=torch.bool),

@@ -172,7 +172,6 @@ class Eagle3Drafter(nn.Module):
         self,
         aux: torch.Tensor,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         steps: int,
         key_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
@@ -180,13 +179,14 @@ class Eagle3Drafter(nn.Module):
         each. Step 0 reads fc(aux) [B, S, aux_width] with tokens `input_ids[:, k : k + S]`
         (the caller passes S + steps - 1 ids: the token after each position and the steps'
         further tokens); step k reads step k-1's output at the same index, the token k
-        further on, at position + k. Attention is vLLM's at inference: step k's query at
+        further on, at rope position index + k. Attention is vLLM's at inference: step k's query at
         index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index i), so
         the cost is one S x S score matrix plus S x k, never (S k) x (S k). `key_mask`
         [B, S] hides padding keys."""
         layer = self.midlayer
         attention = layer.self_attn
         B, S = aux.shape[:2]
+        positions = torch.arange(S, device=aux.device).expand(B, S)
         hidden = self.fc(aux)
         causal = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()
         if key_mask is None:

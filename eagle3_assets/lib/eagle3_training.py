@@ -116,7 +116,6 @@ class Batch:
 
     aux: torch.Tensor  # [B, S, aux_width]
     input_ids: torch.Tensor  # [B, S + steps - 1]
-    positions: torch.Tensor  # [B, S]
     key_mask: torch.Tensor  # [B, S]
     targets: torch.Tensor  # [B, S + steps, Vd] teacher probabilities at position index + 1
     supervised: torch.Tensor  # [B, S + steps] bool
@@ -133,7 +132,6 @@ def make_batch(
     batch = Batch(
         aux=torch.zeros(B, S, width, device=device),
         input_ids=torch.zeros(B, S + steps - 1, dtype=torch.long, device=device),
-        positions=torch.arange(S, device=device).expand(B, S).clone(),
         key_mask=torch.zeros(B, S, dtype=torch.bool, device=device),
         targets=torch.zeros(B, S + steps, vd, device=device),
         supervised=torch.zeros(B, S + steps, dtype=torch.bool, device=device),
@@ -155,7 +153,7 @@ def ttt_loss(
     model: Eagle3Drafter, batch: Batch, steps: int, decay: float
 ) -> tuple[torch.Tensor, list[float], list[float]]:
     """(weighted loss, per-step loss, per-step accuracy) for one batch."""
-    outputs = model.ttt(batch.aux, batch.input_ids, batch.positions, steps, batch.key_mask)
+    outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask)
     S = batch.aux.shape[1]
     total = torch.zeros((), device=batch.aux.device)
     losses, accuracies = [], []

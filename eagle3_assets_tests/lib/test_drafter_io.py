@@ -113,7 +113,7 @@ def test_loads_into_the_model_strictly(checkpoint, test_world):
     model.load_state_dict(checkpoint.tensors, strict=True)  # embed_tokens is not persistent
     assert torch.equal(model.fc.weight, checkpoint.tensors["fc.weight"])
     aux = torch.randn(1, 5, checkpoint.config.aux_width)
-    outputs = model.ttt(aux, torch.arange(7)[None], torch.arange(5)[None], steps=3)
+    outputs = model.ttt(aux, torch.arange(7)[None], steps=3)
     assert [tuple(o.shape) for o in outputs] == [(1, 5, 64)] * 3
 
 

@@ -85,7 +85,7 @@ def test_ttt_equals_the_step_by_step_chain(steps):
     S = 6
     aux = torch.randn(1, S, 96, dtype=torch.float64)
     ids = torch.randint(0, 50, (1, S + steps - 1))
-    outputs = model.ttt(aux, ids, torch.arange(S)[None], steps)
+    outputs = model.ttt(aux, ids, steps)
     for start in range(S):
         expected = reference_chain(model, aux[0], ids[0], start, steps)
         for k in range(steps):
@@ -98,8 +98,8 @@ def test_padding_keys_are_invisible_and_produce_no_nan():
     model = Eagle3Drafter(CONFIG, torch.randn(50, 32))
     aux, ids = torch.randn(2, 5, 96), torch.randint(0, 50, (2, 7))
     mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    padded = model.ttt(aux, ids, torch.arange(5).expand(2, 5), 3, key_mask=mask)
-    alone = model.ttt(aux[1:, :3], ids[1:, :5], torch.arange(3)[None], 3)
+    padded = model.ttt(aux, ids, 3, key_mask=mask)
+    alone = model.ttt(aux[1:, :3], ids[1:, :5], 3)
     for k in range(3):
         assert torch.isfinite(padded[k]).all()
         torch.testing.assert_close(padded[k][1, :3], alone[k][0], rtol=1e-5, atol=1e-5)
