@@ -38,6 +38,8 @@ from eagle3_assets.lib.hidden_states import (
     extract_batch,
 )
 from eagle3_assets.lib.shard_format import (
+    KIMI_AUX_LAYERS,
+    KIMI_HIDDEN_SIZE,
     ShardFormat,
     candidate_formats,
     dequantize_fp8,
@@ -47,8 +49,7 @@ from eagle3_assets.lib.token_sequences import TokenSequence, build_sequences
 from eagle3_assets.localdev.world import build_world
 
 REPO = Path(__file__).resolve().parents[1]
-KIMI_HIDDEN, KIMI_AUX = 7168, 3
-KIMI_BF16_4_LAYERS = 4 * KIMI_HIDDEN * 2  # 57,344 B/token
+KIMI_BF16_4_LAYERS = 4 * KIMI_HIDDEN_SIZE * 2  # 57,344 B/token
 VOLUME, SAMPLES, TOKENS_PER_SAMPLE = 2.9e12, 25_000, 4096
 BATCH_TOKENS = 4096
 
@@ -166,8 +167,7 @@ def formats_on_corpus(
         )
         share = summary.teacher_positions / summary.tokens
         kimi = {
-            f"{s}": fmt.token_bytes(KIMI_HIDDEN, KIMI_AUX) + s * fmt.teacher_bytes(KIMI_HIDDEN)
-            for s in (share, 0.8)
+            f"{s}": fmt.bytes_per_token(KIMI_HIDDEN_SIZE, KIMI_AUX_LAYERS, s) for s in (share, 0.8)
         }
         rows.append(
             {

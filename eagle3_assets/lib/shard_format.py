@@ -39,6 +39,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_RELATIVE_ERROR = 2.0**-4  # half an ulp of e4m3's 3 mantissa bits
 FP8_SUBNORMAL_ERROR = 2.0**-10  # half the subnormal spacing, in units of the scale
+KIMI_HIDDEN_SIZE, KIMI_AUX_LAYERS = 7168, 3  # the motivating deployment's storage math
 _WIDTH = {"bf16": 2, "fp8": 1}
 _FINAL = re.compile(r"^(bf16|fp8|top(\d+))$")
 
@@ -83,6 +84,12 @@ class ShardFormat:
         if self.topk is not None:
             return self.topk * (2 + 4)
         return hidden_size * _WIDTH[self.final] + (4 if self.final == "fp8" else 0)
+
+    def bytes_per_token(self, hidden_size: int, num_aux: int, teacher_share: float) -> float:
+        """Average bytes per token when `teacher_share` of the tokens are teacher positions."""
+        return self.token_bytes(hidden_size, num_aux) + teacher_share * self.teacher_bytes(
+            hidden_size
+        )
 
     def estimate(
         self, tokens: int, teacher_positions: int, samples: int, hidden_size: int, num_aux: int

@@ -211,6 +211,8 @@ def test_format_names_and_sizes():
     kimi = {name: ShardFormat.parse(name) for name in ("bf16+bf16", "fp8+fp8", "fp8+top64")}
     assert kimi["bf16+bf16"].estimate(1, 1, 0, 7168, 3) - 5 - 16 == 57_344
     assert kimi["fp8+fp8"].token_bytes(7168, 3) == 5 + 3 * 7168 + 12
+    # the default at an 80% response share: 0.48x of bf16 x 4 layers, 25K x 4K fits 2.9 TB
+    assert round(kimi["fp8+fp8"].bytes_per_token(7168, 3, 0.8)) == 27_259
 
 
 @pytest.mark.parametrize("fmt", [f.name for f in candidate_formats(topk=8)])

@@ -49,9 +49,11 @@ def hidden_states(
 
     from eagle3_assets.lib.generation_store import FINAL_NAME
     from eagle3_assets.lib.hidden_states import extract_batch, human_bytes, verify_batch
+    from eagle3_assets.lib.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
     from eagle3_assets.lib.token_sequences import build_sequences
 
     key = context.partition_key
+    settings = hidden.settings()  # a bad setting fails here, before any reading
     generations = storage.path("generations", key, FINAL_NAME)
     if not generations.exists():
         raise dg.Failure(f"{key}: no {generations}; materialize synthetic_generations[{key}] first")
@@ -79,7 +81,7 @@ def hidden_states(
         lambda: _open_source(target, hidden, layers.ids, shape.hidden_size, storage),
         layers,
         shape.hidden_size,
-        hidden.settings(),
+        settings,
         {
             "target": target.path,
             "revision": target.revision,
@@ -91,9 +93,9 @@ def hidden_states(
     )
     expected = {r["sample_id"]: [*r["prompt_token_ids"], *r["token_ids"]] for r in rows}
     verification = verify_batch(out_dir, expected)
-    fmt = hidden.settings().format
+    fmt = settings.format
     teacher_share = summary.teacher_positions / max(summary.tokens, 1)
-    kimi_bytes = fmt.token_bytes(7168, 3) + teacher_share * fmt.teacher_bytes(7168)
+    kimi_bytes = fmt.bytes_per_token(KIMI_HIDDEN_SIZE, KIMI_AUX_LAYERS, teacher_share)
     return dg.MaterializeResult(
         metadata={
             "path": dg.MetadataValue.path(str(out_dir)),
