@@ -49,6 +49,12 @@ class AuxLayerIds:
     def sglang(self) -> tuple[int, ...]:
         return vllm_to_sglang(self.vllm)
 
+    @property
+    def fc_order(self) -> tuple[int, ...]:
+        """The ids in the order vLLM feeds the drafter's fc: sorted and unique (it sorts them,
+        interfaces.py), whatever order a config lists. Extraction and training use this."""
+        return tuple(sorted(set(self.vllm)))
+
 
 def _ids(value: object, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(i) is int for i in value):

@@ -117,7 +117,7 @@ def _drafter(
         return model, tuple(reader.layer_ids["aux"])
     checkpoint = read_drafter(Path(config.warm_start), target["num_hidden_layers"])
     check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
-    aux_ids = tuple(sorted(checkpoint.aux_layer_ids.vllm))
+    aux_ids = checkpoint.aux_layer_ids.fc_order
     if list(aux_ids) != reader.layer_ids["aux"]:
         raise ValueError(
             f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "

@@ -53,3 +53,8 @@ def test_top_level_and_nested_naming_different_layers_is_an_error():
 def test_ids_must_be_a_list_of_ints():
     with pytest.raises(ValueError, match="expected a list of ints"):
         aux_layer_ids({"eagle_aux_hidden_state_layer_ids": "2,4,5"}, 8)
+
+
+def test_fc_order_is_vllms_sorted_unique_ids():
+    ids = aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [30, 2, 58, 30]}, 61)
+    assert ids.vllm == (30, 2, 58, 30) and ids.fc_order == (2, 30, 58)

@@ -131,8 +131,7 @@ def _drafter_layers(drafter_dir: Path, num_layers: int) -> "LayerSelection":
     if not config.exists():
         raise dg.Failure(f"no {config}: materialize drafter_checkpoint first")
     ids = aux_layer_ids(json.loads(config.read_text()), num_layers)
-    # ascending: vLLM sorts the ids and feeds the drafter's fc the states in that order
-    return LayerSelection(aux=tuple(sorted(ids.vllm)), final=num_layers, source=str(ids.source))
+    return LayerSelection(aux=ids.fc_order, final=num_layers, source=str(ids.source))
 
 
 def _open_source(
