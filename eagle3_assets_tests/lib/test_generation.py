@@ -258,9 +258,11 @@ def test_several_replicas_share_the_load_and_a_dead_one_is_avoided(tmp_path):
     with OpenAIStub() as first, OpenAIStub() as second:
         first.faults.latency_s = second.faults.latency_s = 0.02
         urls = [first.base_url, second.base_url]
-        run_batch(pool(100), tmp_path / "a", urls, MODEL, config(concurrency=10))
+        shared = run_batch(pool(100), tmp_path / "a", urls, MODEL, config(concurrency=10))
         assert first.total_requests > 30 and second.total_requests > 30
         assert first.total_requests + second.total_requests == 100
+        rows = final_rows(shared)  # every sample exactly once, whichever replica answered it
+        assert sorted(row["prompt_id"] for row in rows) == [c.prompt_id for c in pool(100)]
 
         dead = closed_port_url()
         summary = run_batch(pool(100), tmp_path / "b", [first.base_url, dead], MODEL, FAST)
