@@ -286,7 +286,7 @@ def layer_child(spec: dict) -> dict:
         resident = current_rss_bytes()
         with sampled_rss_peak() as rss:
             started = time.perf_counter()
-            loss, _, _ = ttt_loss(model, batch, ttt, decay=0.8)
+            loss, *_ = ttt_loss(model, batch, ttt, decay=0.8)
             loss.backward()
             seconds = time.perf_counter() - started
         return {"seconds": seconds, "rss_growth": rss["peak"] - resident, "resident": resident}

@@ -177,8 +177,11 @@ class TrainingRecipe(dg.ConfigurableResource):
     ttt_length: int = 7
     warmup_ratio: float = 0.015
     checkpoint_every: int = 100
-    nproc: int = 1  # torchrun ranks: GPUs on a GPU node
+    nproc: int = 1  # torchrun ranks per node: GPUs on a GPU node
+    nnodes: int = 1  # nodes; the one Dagster launches is node 0, the others join it
+    rdzv_endpoint: str | None = None  # "host:port" on node 0, reachable from every node
     seed: int = 0
+    holdout_fraction: float = 0.02  # samples never trained on: drafter_evaluation's offline view
 
     def run_settings(self) -> dict:
         return {
@@ -189,7 +192,123 @@ class TrainingRecipe(dg.ConfigurableResource):
             "warmup_ratio": self.warmup_ratio,
             "checkpoint_every": self.checkpoint_every,
             "seed": self.seed,
+            "holdout_fraction": self.holdout_fraction,
         }
+
+
+class TrainingLauncher(dg.ConfigurableResource):
+    """Where the torchrun command runs: a subprocess of the Dagster step (`subprocess`), or a
+    Kubernetes pod through dagster-k8s's PipesK8sClient (`k8s`, the `k8s` extra), with the
+    node's GPUs in its limits. The command is the same either way; only the launcher differs.
+    """
+
+    kind: str = "subprocess"  # subprocess | k8s
+    image: str | None = None  # k8s: the project's image with CUDA torch (same interpreter path)
+    namespace: str | None = None  # k8s: else the current namespace
+    data_claim: str | None = None  # k8s: the PersistentVolumeClaim holding the data root
+    secret_name: str | None = None  # k8s: a Secret exposed to the pod as environment variables
+    shm_gi: int = 64  # k8s: /dev/shm size
+    subdomain: str | None = None  # k8s, several nodes: headless Service that names node 0
+
+    def k8s_run_args(self, command: list[str], gpus: int, data_root: str, working_dir: str) -> dict:
+        """The arguments PipesK8sClient.run gets besides the context: offline, so testable."""
+        from eagle3_assets.lib.k8s_pod import TRAINING_LABELS, training_pod_spec
+
+        if not (self.image and self.data_claim):
+            raise ValueError("the k8s training launcher needs an image and a data volume claim")
+        spec = training_pod_spec(
+            image=self.image,
+            gpus=gpus,
+            data_root=data_root,
+            data_claim=self.data_claim,
+            working_dir=working_dir,
+            secret_name=self.secret_name,
+            shm_gi=self.shm_gi,
+            subdomain=self.subdomain,
+        )
+        return {
+            "command": command,
+            "namespace": self.namespace,
+            "base_pod_meta": {"labels": TRAINING_LABELS},
+            "base_pod_spec": spec,
+        }
+
+    def run(
+        self,
+        context: dg.AssetExecutionContext,
+        command: list[str],
+        gpus: int,
+        data_root: str,
+    ) -> dg.PipesClientCompletedInvocation:
+        if self.kind == "subprocess":
+            return dg.PipesSubprocessClient().run(command=command, context=context)
+        if self.kind == "k8s":
+            from dagster_k8s import PipesK8sClient
+
+            args = self.k8s_run_args(command, gpus, data_root, str(Path.cwd()))
+            return PipesK8sClient().run(context=context, **args)
+        raise ValueError(f"training launcher: expected subprocess or k8s, found {self.kind!r}")
+
+
+class EvaluationRecipe(dg.ConfigurableResource):
+    """How drafters are measured in vLLM: the prompt sets, the decoding, and the servers the
+    evaluation starts for itself (one at a time, on `port`, from the target's folder)."""
+
+    heldout_prompts: str  # conversations never batched for training (JSONL/Parquet or hf://)
+    prompt_sets: dict[str, str] = {}  # more sets by name, e.g. {"mt-bench": "mt_bench.jsonl"}
+    max_prompts: int = 200  # per set
+    max_tokens: int = 256
+    concurrency: int = 16
+    num_speculative_tokens: int = 3
+    min_acceptance_rate: float = 0.05  # blocking check: below it is "near zero"
+    serving_python: str = ".venv-vllm/bin/python"
+    port: int = 8020
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    cpu_kvcache_gib: int | None = None  # CPU builds only
+    vllm_args: list[str] = []  # e.g. ["--enforce-eager"]
+    load_timeout_s: float = 1800.0
+    cache_dir: str | None = None  # hub cache for hf:// prompt sets
+    token: str | None = None
+
+    def conversations(self) -> dict[str, list[list[dict]]]:
+        """Each set's first `max_prompts` conversations (messages only), held-out set first."""
+        sets = {"held-out": self.heldout_prompts, **self.prompt_sets}
+        loaded = {
+            name: load_conversations(local_file(path, self.cache_dir, self.token))
+            for name, path in sets.items()
+        }
+        return {
+            name: [c.messages for c in rows[: self.max_prompts]] for name, rows in loaded.items()
+        }
+
+    def launch_spec(self, target: TargetModel, run_dir: Path, served_model_name: str):
+        """The plain server every contender starts from (lib/evaluation adds the drafter)."""
+        from eagle3_assets.lib.vllm_launcher import VLLMLaunchSpec
+
+        return VLLMLaunchSpec(
+            model=target.path,
+            python=Path(self.serving_python),
+            run_dir=run_dir,
+            port=self.port,
+            served_model_name=served_model_name,
+            tensor_parallel_size=self.tensor_parallel_size,
+            max_model_len=self.max_model_len,
+            trust_remote_code=target.trust_remote_code,
+            engine_ready_timeout_s=int(self.load_timeout_s),
+            cpu_kvcache_gib=self.cpu_kvcache_gib,
+            extra_args=tuple(self.vllm_args),
+        )
+
+    def settings(self):
+        from eagle3_assets.lib.evaluation import EvaluationSettings
+
+        return EvaluationSettings(
+            max_tokens=self.max_tokens,
+            concurrency=self.concurrency,
+            num_speculative_tokens=self.num_speculative_tokens,
+            load_timeout_s=self.load_timeout_s,
+        )
 
 
 class DrafterHub(dg.ConfigurableResource):
@@ -254,8 +373,44 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
             lr=float(env.get("EAGLE3_TRAIN_LR", "2e-5")),
             ttt_length=int(env.get("EAGLE3_TTT_LENGTH", "7")),
             nproc=int(env.get("EAGLE3_TRAIN_NPROC", "1")),
+            nnodes=int(env.get("EAGLE3_TRAIN_NNODES", "1")),
+            rdzv_endpoint=env.get("EAGLE3_TRAIN_RDZV_ENDPOINT"),
+            holdout_fraction=float(env.get("EAGLE3_HOLDOUT_FRACTION", "0.02")),
         ),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(),
+        "evaluation": EvaluationRecipe(
+            heldout_prompts=env.get("EAGLE3_HELDOUT_PROMPTS", f"{world}/prompts-heldout.jsonl"),
+            prompt_sets=dict(
+                item.split("=", 1)
+                for item in env.get("EAGLE3_EVAL_PROMPT_SETS", "").split(",")
+                if item
+            ),
+            max_prompts=int(env.get("EAGLE3_EVAL_MAX_PROMPTS", "200")),
+            max_tokens=int(env.get("EAGLE3_EVAL_MAX_TOKENS", "256")),
+            concurrency=int(env.get("EAGLE3_EVAL_CONCURRENCY", "16")),
+            num_speculative_tokens=int(env.get("EAGLE3_SPECULATIVE_TOKENS", "3")),
+            min_acceptance_rate=float(env.get("EAGLE3_MIN_ACCEPTANCE_RATE", "0.05")),
+            serving_python=env.get("EAGLE3_SERVING_PYTHON", ".venv-vllm/bin/python"),
+            port=int(env.get("EAGLE3_EVAL_PORT", "8020")),
+            tensor_parallel_size=int(env.get("EAGLE3_EVAL_TP", "1")),
+            max_model_len=int(env["EAGLE3_EVAL_MAX_MODEL_LEN"])
+            if env.get("EAGLE3_EVAL_MAX_MODEL_LEN")
+            else None,
+            cpu_kvcache_gib=int(env["EAGLE3_EVAL_CPU_KVCACHE_GIB"])
+            if env.get("EAGLE3_EVAL_CPU_KVCACHE_GIB")
+            else None,
+            vllm_args=env.get("EAGLE3_EVAL_VLLM_ARGS", "").split(),
+            cache_dir=env.get("EAGLE3_HF_CACHE"),
+            token=_secret(HF_TOKEN_ENV),
+        ),
+        "training_launcher": TrainingLauncher(
+            kind=env.get("EAGLE3_TRAINING_LAUNCHER", "subprocess"),
+            image=env.get("EAGLE3_K8S_IMAGE"),
+            namespace=env.get("EAGLE3_K8S_NAMESPACE"),
+            data_claim=env.get("EAGLE3_K8S_DATA_CLAIM"),
+            secret_name=env.get("EAGLE3_K8S_SECRET"),
+            shm_gi=int(env.get("EAGLE3_K8S_SHM_GI", "64")),
+            subdomain=env.get("EAGLE3_K8S_SUBDOMAIN"),
+        ),
         "drafter_hub": DrafterHub(
             repo_id=env.get("EAGLE3_DRAFTER_REPO", "local/target-v1-eagle3"),
             revision=env.get("EAGLE3_DRAFTER_REVISION", "main"),

@@ -21,6 +21,7 @@ def test_definitions_load_with_the_expected_graph():
         "synthetic_generations",
         "hidden_states",
         "eagle3_drafter",
+        "drafter_evaluation",
     }
     assert graph.get(dg.AssetKey("eagle3_drafter")).parent_keys == {
         dg.AssetKey("drafter_checkpoint"),
@@ -35,9 +36,16 @@ def test_definitions_load_with_the_expected_graph():
         hidden_states.partitions_def
         == graph.get(dg.AssetKey("synthetic_generations")).partitions_def
     )
-    assert definitions.resolve_sensor_def("hidden_states_automation").default_status == (
-        dg.DefaultSensorStatus.STOPPED
-    )
+    assert graph.get(dg.AssetKey("drafter_evaluation")).parent_keys == {
+        dg.AssetKey("eagle3_drafter"),
+        dg.AssetKey("drafter_checkpoint"),
+    }
+    automation = definitions.resolve_sensor_def("drafter_automation")
+    assert automation.default_status == dg.DefaultSensorStatus.STOPPED  # opt-in
+    automated = {"hidden_states", "eagle3_drafter", "drafter_evaluation"}
+    assert {key.to_user_string() for key in automation.asset_selection.resolve(graph)} == automated
+    for key in automated:
+        assert graph.get(dg.AssetKey(key)).automation_condition is not None
     assert not graph.get(dg.AssetKey("vllm_server")).is_materializable  # external: observed only
     assert graph.get(dg.AssetKey("served_target")).parent_keys == {dg.AssetKey("vllm_server")}
     assert definitions.resolve_job_def("launch").asset_layer.selected_asset_keys == {

@@ -447,3 +447,12 @@ def write_vllm_drafter(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out_dir
+
+
+def export_for_vllm(source: Path, out_dir: Path, target_num_layers: int) -> Path:
+    """Any drafter we read (SpecForge, speculators), rewritten as vLLM loads it, with the aux
+    layer ids its config declares translated to vLLM's convention."""
+    checkpoint = read_drafter(source, target_num_layers)
+    return write_vllm_drafter(
+        out_dir, checkpoint.config, checkpoint.tensors, checkpoint.aux_layer_ids.vllm
+    )

@@ -151,26 +151,27 @@ def make_batch(
 
 def ttt_loss(
     model: Eagle3Drafter, batch: Batch, steps: int, decay: float
-) -> tuple[torch.Tensor, list[float], list[float]]:
-    """(weighted loss, per-step loss, per-step accuracy) for one batch."""
+) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
+    """(weighted loss, per-step loss, per-step hits, per-step supervised positions) for one
+    batch: hits and counts, not their ratio, so that ranks and batches add up exactly."""
     outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask)
     S = batch.aux.shape[1]
     total = torch.zeros((), device=batch.aux.device)
-    losses, accuracies = [], []
+    losses, hits, counts = [], [], []
     for k, pre in enumerate(outputs):
         target = batch.targets[:, 1 + k : 1 + k + S]
         mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
         log_probs = F.log_softmax(model.logits(pre).float(), dim=-1)
         per_position = -(target * log_probs).sum(-1)
-        counts = mask.sum(-1)
-        has = counts > 0
-        per_sample = (per_position * mask).sum(-1)[has] / counts[has]
+        supervised = mask.sum(-1)
+        has = supervised > 0
+        per_sample = (per_position * mask).sum(-1)[has] / supervised[has]
         step_loss = per_sample.mean() if len(per_sample) else per_position.sum() * 0.0
         total = total + decay**k * step_loss
-        hits = ((log_probs.argmax(-1) == target.argmax(-1)) & mask).sum()
         losses.append(float(step_loss.detach()))
-        accuracies.append(float(hits) / max(int(mask.sum()), 1))
-    return total, losses, accuracies
+        hits.append(int(((log_probs.argmax(-1) == target.argmax(-1)) & mask).sum()))
+        counts.append(int(mask.sum()))
+    return total, losses, hits, counts
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int) -> float:

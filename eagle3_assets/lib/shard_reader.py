@@ -7,14 +7,16 @@ permuted per epoch, then a buffer of sample *indices* shuffles within a window. 
 rank takes every world_size-th sample of the same global order (the tail that does not divide
 evenly is dropped, so ranks take the same number of steps). The order is a pure function of
 (seed, epoch, rank), so a resumed trainer skips `start` samples and sees exactly what an
-uninterrupted one would.
+uninterrupted one would. `select` keeps samples by id: training and its held-out split read
+the same shards and never share a sample.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -33,12 +35,13 @@ class ShardReader:
         shuffle_buffer: int = 64,
         dtype: torch.dtype = torch.float32,
         open_files: int = 4,
+        select: Callable[[str], bool] = lambda sample_id: True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), found {rank}")
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.shuffle_buffer, self.dtype, self.open_files = shuffle_buffer, dtype, open_files
-        self.shards: list[tuple[Path, int]] = []  # (path, samples)
+        self.shards: list[tuple[Path, list[int]]] = []  # (path, indices of selected samples)
         layer_ids = None
         for batch_dir in batch_dirs:
             manifest = read_manifest(Path(batch_dir))
@@ -49,10 +52,10 @@ class ShardReader:
                     "every batch must be extracted at the drafter's layers"
                 )
             layer_ids = ids
-            self.shards += [
-                (Path(batch_dir) / name, len(entry["samples"]))
-                for name, entry in manifest["shards"].items()
-            ]
+            for name, entry in manifest["shards"].items():
+                chosen = [i for i, sample_id in enumerate(entry["samples"]) if select(sample_id)]
+                if chosen:
+                    self.shards.append((Path(batch_dir) / name, chosen))
         if layer_ids is None:
             raise ValueError("no hidden-state batches to read")
         self.layer_ids: dict = layer_ids
@@ -60,13 +63,13 @@ class ShardReader:
 
     def __len__(self) -> int:
         """Samples per rank per epoch."""
-        return sum(count for _, count in self.shards) // self.world_size
+        return sum(len(chosen) for _, chosen in self.shards) // self.world_size
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's (shard, sample) indices for `epoch`, in reading order."""
         shards = list(range(len(self.shards)))
         random.Random(f"{self.seed}:{epoch}").shuffle(shards)
-        stream = [(s, i) for s in shards for i in range(self.shards[s][1])]
+        stream = [(s, i) for s in shards for i in self.shards[s][1]]
         mine = stream[self.rank : len(self) * self.world_size : self.world_size]
         rng = random.Random(f"{self.seed}:{epoch}:{self.rank}")
         buffer: list[tuple[int, int]] = []
@@ -101,3 +104,10 @@ class ShardReader:
             if len(self._files) > self.open_files:
                 self._files.popitem(last=False)
         return self._files[path]
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """Whether a sample belongs to the held-out split: a stable function of its id alone, so
+    the split holds across runs, batches and ranks."""
+    digest = hashlib.sha256(sample_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64

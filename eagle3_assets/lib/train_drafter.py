@@ -10,10 +10,13 @@ export out; resumable, interruptible, data-parallel.
   `Interrupted`; the next run continues from there.
 - Under torchrun every rank reads its own slice of the same sample order and gradients are
   averaged across ranks (gloo on CPU, NCCL on GPUs); rank 0 reports and writes.
+- A stable `holdout_fraction` of the samples (by id) is never trained on: `heldout_accuracy`
+  measures any drafter on it, the offline view for users without a free serving GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -40,13 +43,17 @@ from eagle3_assets.lib.eagle3_training import (
     ttt_loss,
 )
 from eagle3_assets.lib.shard_format import write_atomically
-from eagle3_assets.lib.shard_reader import ShardReader
+from eagle3_assets.lib.shard_reader import ShardReader, held_out
 
 LATEST = "latest"
 
 
 class Interrupted(RuntimeError):
     """A signal stopped training after a checkpoint was written."""
+
+
+class LayerMismatch(ValueError):
+    """The drafter reads other target layers than the hidden states hold."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class RunConfig:
     seed: int = 0
     rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
     draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
+    holdout_fraction: float = 0.02  # samples (by id) kept out of training for heldout_accuracy
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -115,16 +123,30 @@ def _drafter(
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
         return model, tuple(reader.layer_ids["aux"])
-    checkpoint = read_drafter(Path(config.warm_start), target["num_hidden_layers"])
+    return load_drafter(
+        Path(config.warm_start), head, reader, target["num_hidden_layers"], config.rederive_vocab
+    )
+
+
+def load_drafter(
+    path: Path,
+    head: TargetHead,
+    reader: ShardReader,
+    target_num_layers: int,
+    rederive_vocab: bool = False,
+) -> tuple[Eagle3Drafter, tuple[int, ...]]:
+    """A saved drafter (SpecForge, speculators or our export) that fits the target and reads
+    the layers the shards hold."""
+    checkpoint = read_drafter(path, target_num_layers)
     check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
     aux_ids = checkpoint.aux_layer_ids.fc_order
     if list(aux_ids) != reader.layer_ids["aux"]:
-        raise ValueError(
+        raise LayerMismatch(
             f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
-            f"reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
+            f"at {path} reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
         )
     tensors = dict(checkpoint.tensors)
-    if config.rederive_vocab:  # every rank counts every shard: the same maps everywhere
+    if rederive_vocab:  # every rank counts every shard: the same maps everywhere
         counts = reader.response_token_counts(checkpoint.config.vocab_size)
         d2t, t2d = derive_vocab_maps(counts, checkpoint.config.draft_vocab_size)
         tensors["lm_head.weight"] = remap_lm_head(tensors["lm_head.weight"], tensors["d2t"], d2t)
@@ -189,6 +211,7 @@ def train(
         rank=rank,
         world_size=world,
         shuffle_buffer=config.shuffle_buffer,
+        select=lambda sample_id: not held_out(sample_id, config.holdout_fraction),
     )
     model, aux_ids = _drafter(config, head, reader)
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
@@ -214,23 +237,22 @@ def train(
             batch_samples = [next(samples) for _ in range(config.batch_size)]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                loss, losses, accuracies = ttt_loss(model, batch, config.ttt_length, config.decay)
+                loss, losses, hits, counts = ttt_loss(model, batch, config.ttt_length, config.decay)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            reported = [float(loss.detach()), *losses, *accuracies]
-            if world > 1:  # the mean over ranks: each rank's loss is a mean over its samples
+            losses = [float(loss.detach()), *losses]
+            if world > 1:  # losses: the mean of the ranks' means; hits and counts: sums
                 for p in parameters:
                     dist.all_reduce(p.grad)
                     p.grad /= world
-                summed = torch.tensor(reported, device=device)
+                summed = torch.tensor([*losses, *hits, *counts], device=device)
                 dist.all_reduce(summed)
-                reported = (summed / world).tolist()
-            steps = config.ttt_length
-            loss_value, losses, accuracies = (
-                reported[0],
-                reported[1 : 1 + steps],
-                reported[1 + steps :],
-            )
+                summed = summed.tolist()
+                steps = config.ttt_length
+                losses = [value / world for value in summed[: 1 + steps]]
+                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps :]
+            loss_value, losses = losses[0], losses[1:]
+            accuracies = [h / max(c, 1) for h, c in zip(hits, counts, strict=True)]
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
             optimizer.step()
             schedule.step()
@@ -271,6 +293,44 @@ def train(
         last,
         export,
     )
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    drafter: Path,
+    target: Path,
+    batch_dirs: list[str],
+    holdout_fraction: float,
+    ttt_length: int,
+    batch_size: int = 8,
+) -> dict:
+    """Per-position TTT accuracy of a saved drafter on the held-out samples of the shards:
+    the training-time view of a drafter (teacher-forced on the target's own states), not
+    acceptance in a serving engine. {"samples", "tokens", "accuracy": [...]} (None: no
+    held-out sample)."""
+    device = _device()
+    head = TargetHead(target).to(device)
+    reader = ShardReader(
+        [Path(d) for d in batch_dirs],
+        shuffle_buffer=1,
+        select=lambda sample_id: held_out(sample_id, holdout_fraction),
+    )
+    target_config = json.loads((target / "config.json").read_text())
+    layers = target_config.get("text_config", target_config)["num_hidden_layers"]
+    model, _ = load_drafter(drafter, head, reader, layers)
+    model.float().to(device).eval()
+    hits, counts = [0] * ttt_length, [0] * ttt_length
+    samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
+    while chunk := list(itertools.islice(samples, batch_size)):
+        batch = make_batch(chunk, head, model.t2d, ttt_length)
+        _, _, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
+        hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
+        counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]
+    return {
+        "samples": len(reader),
+        "tokens": counts[0],
+        "accuracy": [h / c for h, c in zip(hits, counts, strict=True)] if counts[0] else None,
+    }
 
 
 def _save(out_dir: Path, rank: int, model, optimizer, schedule, progress: Progress) -> Path:

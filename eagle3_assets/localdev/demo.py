@@ -1,8 +1,12 @@
-"""`make demo`: the miniature world through Dagster's real daemon path.
+"""`make demo`: the whole story on the miniature world, through Dagster's real daemon path.
 
 Builds the world, starts vLLM on the newer target (it plays Kimi-K2.5), starts the Dagster
 daemon, and follows what a user would watch in the UI: the readiness sensor observing the
-server load and become ready, then the launch run it requests.
+server load and become ready; the launch run it requests (the drafter download beside the
+first batch); the other batches; each batch's hidden states; the finetuning once every batch
+is extracted; the evaluation of warm start vs finetuned drafter in vLLM. Stopped halfway
+(Ctrl-C), it resumes when run again: every asset keeps its progress on disk, and the daemon
+retries the runs the stop interrupted.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def miniature_env(
         "EAGLE3_BATCH_SIZE": "16",
         "EAGLE3_MAX_TOKENS": "96",
         "EAGLE3_CONCURRENCY": "16",
+        "EAGLE3_HELDOUT_PROMPTS": str(world_root / "prompts-heldout.jsonl"),
+        # drafter_evaluation's servers: miniature_server's settings, on their own port
+        "EAGLE3_EVAL_VLLM_ARGS": "--enforce-eager",
+        "EAGLE3_EVAL_MAX_MODEL_LEN": "1024",
+        "EAGLE3_EVAL_CPU_KVCACHE_GIB": "1",
+        "EAGLE3_EVAL_MAX_TOKENS": "96",
     }
 
 
@@ -140,6 +150,98 @@ def follow_launch(instance, started: float, timeout_s: float, say) -> object:
     raise TimeoutError(f"no finished launch run after {timeout_s:.0f}s")
 
 
+# The miniature's recipe: greedy answers (evaluation is greedy too), the automation on, the
+# backfill schedule every minute instead of every 15, a short finetuning at a warm-start lr.
+DEMO_SETTINGS = {
+    "EAGLE3_BATCH_SIZE": "50",
+    "EAGLE3_MAX_TOKENS": "128",
+    "EAGLE3_TEMPERATURE": "0",
+    "EAGLE3_AUTOMATION": "1",
+    "EAGLE3_BACKFILL_CRON": "* * * * *",
+    "EAGLE3_TRAIN_STEPS": "200",
+    "EAGLE3_TRAIN_LR": "1e-3",
+    "EAGLE3_HOLDOUT_FRACTION": "0.05",
+}
+
+# What the narration prints of each materialization.
+SUMMARY = {
+    "drafter_checkpoint": ("repo_id", "parameters", "aux_layer_ids_vllm"),
+    "synthetic_generations": ("samples", "completion_tokens", "output_tokens_per_s"),
+    "hidden_states": ("samples", "tokens", "size", "tokens_per_s"),
+    "eagle3_drafter": ("steps", "final_loss", "final_accuracy_by_position", "seconds"),
+    "drafter_evaluation": (
+        "mean_acceptance_length_warm_start",
+        "mean_acceptance_length",
+        "speedup",
+    ),
+}
+
+
+def run_label(run) -> str:
+    """What a run does, in the UI's words: its job, or its assets, and its batch."""
+    assets = sorted(k.to_user_string() for k in run.asset_selection or [])
+    what = run.job_name if run.job_name != "__ASSET_JOB" else "+".join(assets)
+    partition = run.tags.get("dagster/partition")
+    return f"{what}[{partition}]" if partition else what
+
+
+def follow_pipeline(instance, started: float, since: float, timeout_s: float, say):
+    """Narrate runs and materializations after `since` until drafter_evaluation is
+    materialized; return that materialization's record."""
+    import datetime
+
+    import dagster as dg
+
+    statuses: dict[str, object] = {}
+    cursors: dict[str, str | None] = dict.fromkeys(SUMMARY)
+    after = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        clock = f"+{time.monotonic() - started:4.0f}s"
+        for run in reversed(instance.get_runs(filters=dg.RunsFilter(created_after=after))):
+            if statuses.get(run.run_id) != run.status:
+                statuses[run.run_id] = run.status
+                say(f"{clock} run {run.run_id[:8]} {run_label(run)}: {run.status.value}")
+        for key, fields in SUMMARY.items():
+            found = instance.fetch_materializations(
+                dg.AssetKey(key), limit=100, cursor=cursors[key], ascending=True
+            )
+            cursors[key] = found.cursor
+            for record in found.records:
+                if record.timestamp < since:
+                    continue
+                materialization = record.asset_materialization
+                meta = {k: v.value for k, v in materialization.metadata.items()}
+                partition = f"[{materialization.partition}]" if materialization.partition else ""
+                say(
+                    f"{clock} {key}{partition}: "
+                    + ", ".join(f"{f}={meta[f]}" for f in fields if f in meta)
+                )
+                if key == "drafter_evaluation":
+                    return record
+        time.sleep(2)
+    raise TimeoutError(f"no drafter_evaluation after {timeout_s:.0f}s")
+
+
+def outcome(instance, record, say) -> int:
+    """The before/after table, the check's verdict, and where to look."""
+    import dagster as dg
+
+    meta = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+    checks = instance.all_logs(record.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+    verdicts = [c.dagster_event.event_specific_data for c in checks]
+    print("\n" + meta["comparison"] + "\n", flush=True)
+    say(f"serve it: {meta['serve_with']}")
+    for check in verdicts:
+        say(f"check {check.check_name}: {'passed' if check.passed else 'FAILED'}")
+    say(
+        "look in the web UI: `make ui` -> http://127.0.0.1:3000 ; Assets -> Lineage for the "
+        "graph; drafter_evaluation -> the table, the per-position chart and the training-time "
+        "accuracy; eagle3_drafter -> the loss curves; Runs -> any run's log"
+    )
+    return 0 if verdicts and all(c.passed for c in verdicts) else 1
+
+
 def main() -> int:
     import dagster as dg
 
@@ -150,12 +252,18 @@ def main() -> int:
     def say(message: str) -> None:
         print(f"[demo] {message}", flush=True)
 
-    started = time.monotonic()
+    started, since = time.monotonic(), time.time()
     world = build_world(data / "world", "demo", log=say)
     hub = world.root / "hub"
     say("the world's warm-start drafter: EAGLE-3 trained on target-v1 (built once)")
     sha = publish_local_drafter(world, hub, draft_vocab_size=1024)
     say(f"local hub: {LOCAL_DRAFTER_REPO}@{sha[:12]} (the drafter for target-v1) in {hub}")
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        done = complete(instance)
+        if done is not None:
+            say("the story is complete already (`make clean` starts it over):")
+            return outcome(instance, done, say)
+
     spec = miniature_server(world.target_v2, data / "vllm", port, SERVED_TARGET_NAME)
     current = probe(spec.base_url)
     if current.healthy and SERVED_TARGET_NAME in current.model_ids:
@@ -171,8 +279,7 @@ def main() -> int:
             f"{SERVED_TARGET_NAME}; log: {spec.log_file}"
         )
 
-    env = miniature_env(world.root, hub, spec.base_url, data, SERVED_TARGET_NAME)
-    env |= {"EAGLE3_BATCH_SIZE": "50", "EAGLE3_MAX_TOKENS": "128"}
+    env = miniature_env(world.root, hub, spec.base_url, data, SERVED_TARGET_NAME) | DEMO_SETTINGS
     with running_daemon(dagster_home, env, data / "dagster-daemon.log"):
         say(
             f"dagster daemon running (DAGSTER_HOME={dagster_home}); the readiness sensor "
@@ -181,28 +288,31 @@ def main() -> int:
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             try:
                 run = follow_launch(instance, started, timeout_s=900, say=say)
+                if run.status != dg.DagsterRunStatus.SUCCESS:
+                    say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
+                    return 1
+                record = follow_pipeline(instance, started, since, timeout_s=3600, say=say)
             except TimeoutError as error:
                 say(f"{error}; vLLM log tail:\n{log_tail(spec)}")
                 return 1
-            if run.status != dg.DagsterRunStatus.SUCCESS:
-                say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
-                return 1
-            for key in ("drafter_checkpoint", "synthetic_generations"):
-                event = instance.get_latest_materialization_event(dg.AssetKey(key))
-                meta = {k: v.value for k, v in event.asset_materialization.metadata.items()}
-                say(f"{key}: " + ", ".join(f"{k}={meta[k]}" for k in SUMMARY[key]))
-    say(
-        f"done in {time.monotonic() - started:.0f}s. vLLM keeps running at {spec.base_url} "
-        "(`make stop` stops it); explore with `make ui` -> http://127.0.0.1:3000 "
-        "(Assets -> vllm_server -> Events; Runs -> launch)"
-    )
-    return 0
+            say(f"done in {time.monotonic() - started:.0f}s")
+            status = outcome(instance, record, say)
+    say(f"vLLM keeps running at {spec.base_url} (`make stop` stops it)")
+    return status
 
 
-SUMMARY = {
-    "drafter_checkpoint": ("repo_id", "revision", "parameters", "aux_layer_ids_vllm"),
-    "synthetic_generations": ("samples", "completion_tokens", "output_tokens_per_s", "seconds"),
-}
+def complete(instance):
+    """drafter_evaluation's latest record if it evaluated the latest drafter, else None."""
+    import dagster as dg
+
+    def latest(key: str):
+        records = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
+        return records[0] if records else None
+
+    evaluation, drafter = latest("drafter_evaluation"), latest("eagle3_drafter")
+    if evaluation and drafter and evaluation.storage_id > drafter.storage_id:
+        return evaluation
+    return None
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 
 from eagle3_assets.lib.acceptance import Acceptance, between, snapshot
 from eagle3_assets.lib.drafter_checkpoint import TargetShape
-from eagle3_assets.lib.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.lib.drafter_io import export_for_vllm, read_drafter
 from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.hub import make_untrained_drafter, train_world_drafter
@@ -65,12 +65,10 @@ def greedy_token_ids(base_url: str, messages: list[dict]) -> list[int]:
 
 
 def export(source: Path, out_dir: Path, target_dir: Path) -> Path:
-    target = TargetShape.from_config(target_dir)
-    checkpoint = read_drafter(source, target.num_hidden_layers)
-    assert checkpoint.aux_layer_ids.vllm == (2, 4, 5)  # nested SGLang [1, 3, 4]
-    return write_vllm_drafter(
-        out_dir, checkpoint.config, checkpoint.tensors, checkpoint.aux_layer_ids.vllm
-    )
+    layers = TargetShape.from_config(target_dir).num_hidden_layers
+    exported = export_for_vllm(source, out_dir, layers)
+    assert read_drafter(exported, layers).aux_layer_ids.vllm == (2, 4, 5)  # nested SGLang [1, 3, 4]
+    return exported
 
 
 def serve_and_run(test_world, serving_python, drafter: Path, run_dir: Path) -> SpeculativeRun:

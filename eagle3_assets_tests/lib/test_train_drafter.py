@@ -19,9 +19,9 @@ from eagle3_assets.lib.eagle3_training import TargetHead, derive_vocab_maps, tea
 from eagle3_assets.lib.hidden_capture import HFTarget
 from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
 from eagle3_assets.lib.shard_format import ShardFormat
-from eagle3_assets.lib.shard_reader import ShardReader
+from eagle3_assets.lib.shard_reader import ShardReader, held_out
 from eagle3_assets.lib.token_sequences import build_sequences
-from eagle3_assets.lib.train_drafter import Interrupted, RunConfig, train
+from eagle3_assets.lib.train_drafter import Interrupted, RunConfig, heldout_accuracy, train
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import make_untrained_drafter
 
@@ -221,3 +221,25 @@ def test_from_scratch_the_vocab_comes_from_the_responses(corpus, tmp_path):
     exported_config = json.loads((result.export / "config.json").read_text())
     assert exported_config["hidden_size"] == 64 and exported_config["draft_vocab_size"] == 256
     assert exported_config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # the shards'
+
+
+def test_held_out_samples_are_never_trained_on_and_score_the_drafter(corpus, tmp_path):
+    batch_dirs = [Path(d) for d in config(corpus, tmp_path).batch_dirs]
+    every = {s.sample_id for s in ShardReader(batch_dirs, shuffle_buffer=1).samples()}
+    fraction = 0.25
+    held = {s for s in every if held_out(s, fraction)}
+    assert 0 < len(held) < len(every)  # 24 samples: both splits non-empty
+    trained = ShardReader(batch_dirs, select=lambda s: not held_out(s, fraction))
+    assert {s.sample_id for s in trained.samples()} == every - held
+
+    untrained = heldout_accuracy(
+        corpus["drafter"], corpus["target"], [str(d) for d in batch_dirs], fraction, 3
+    )
+    assert untrained["samples"] == len(held) and untrained["tokens"] > 0
+    result = train(config(corpus, tmp_path, steps=40, holdout_fraction=fraction))
+    finetuned = heldout_accuracy(
+        result.export, corpus["target"], [str(d) for d in batch_dirs], fraction, 3
+    )
+    assert finetuned["tokens"] == untrained["tokens"]  # the same held-out positions
+    assert len(finetuned["accuracy"]) == 3
+    assert finetuned["accuracy"][0] > untrained["accuracy"][0] + 0.2, (untrained, finetuned)

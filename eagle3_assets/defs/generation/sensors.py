@@ -1,5 +1,7 @@
 """New batches as the prompt pool grows, and a schedule that backfills the ones not done."""
 
+import os
+
 import dagster as dg
 
 from eagle3_assets.defs.serving.sensors import server_ready
@@ -59,7 +61,7 @@ def new_batches_sensor(context: dg.SensorEvaluationContext, prompt_pool: PromptP
 
 @dg.schedule(
     job=generate_batch_job,
-    cron_schedule="*/15 * * * *",
+    cron_schedule=os.environ.get("EAGLE3_BACKFILL_CRON", "*/15 * * * *"),
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Backfills registered batches that are neither materialized nor in flight.",
 )

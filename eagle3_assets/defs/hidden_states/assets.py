@@ -27,7 +27,7 @@ LOSS_FRACTION = "loss_mask_fraction"
     group_name="hidden_states",
     kinds={"pytorch", "safetensors"},
     pool="gpu",
-    automation_condition=dg.AutomationCondition.eager(),  # acted on by hidden_states_automation
+    automation_condition=dg.AutomationCondition.eager(),  # acted on by drafter_automation
     backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1),
     check_specs=[
         dg.AssetCheckSpec(name, asset="hidden_states", blocking=True)

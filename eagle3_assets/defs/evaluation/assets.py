@@ -1,0 +1,176 @@
+"""Drafter evaluation: the warm start and the finetuned drafter, each served by real vLLM as
+the target's eagle3 speculator on prompts never trained on; the numbers users decide from."""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import dagster as dg
+
+from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
+from eagle3_assets.defs.training.assets import eagle3_drafter
+from eagle3_assets.resources import EvaluationRecipe, Storage, TargetModel, VLLMServer
+
+if TYPE_CHECKING:
+    from eagle3_assets.lib.train_drafter import RunConfig
+
+BEATS_WARM_START = "beats_warm_start"
+WARM_START, FINETUNED = "warm start", "finetuned"
+HELD_OUT = "held-out"
+
+
+@dg.asset(
+    deps=[eagle3_drafter, drafter_checkpoint],
+    group_name="evaluation",
+    kinds={"vllm"},
+    pool="gpu",  # its servers need the accelerators the training used
+    automation_condition=dg.AutomationCondition.eager(),  # acted on by drafter_automation
+    check_specs=[
+        dg.AssetCheckSpec(
+            BEATS_WARM_START,
+            asset="drafter_evaluation",
+            blocking=True,
+            description="The finetuned drafter is accepted more often than the warm start on "
+            "the held-out prompts, and not near zero (a drafter reading the wrong layers).",
+        )
+    ],
+)
+def drafter_evaluation(
+    context: dg.AssetExecutionContext,
+    target: TargetModel,
+    evaluation: EvaluationRecipe,
+    storage: Storage,
+    vllm: VLLMServer,
+) -> dg.MaterializeResult:
+    """Acceptance before (warm start) and after (finetuned) in the serving engine, the speedup
+    over the target alone, and the training-time accuracy of both on held-out shards. Each
+    measurement is kept as it is taken: a re-run starts servers only for what is missing."""
+    from eagle3_assets.lib.drafter_io import export_for_vllm
+    from eagle3_assets.lib.evaluation import (
+        BASELINE,
+        Contender,
+        comparison_table,
+        evaluate,
+        per_position_chart,
+        speedup,
+        verdict,
+    )
+    from eagle3_assets.lib.hidden_states import read_manifest
+    from eagle3_assets.lib.train_drafter import RunConfig
+
+    finetuned = _finetuned_export(context)
+    layers = target.shape().num_hidden_layers
+    warm_start = export_for_vllm(
+        storage.path("drafter", "warm_start"), storage.path("evaluation", "warm_start"), layers
+    )
+    prompt_sets = evaluation.conversations()
+    context.log.info("prompt sets: " + ", ".join(f"{n} ({len(c)})" for n, c in prompt_sets.items()))
+    measurements = evaluate(
+        evaluation.launch_spec(target, storage.path("evaluation", "vllm"), vllm.served_model_name),
+        [
+            Contender(BASELINE, None),
+            Contender(WARM_START, warm_start),
+            Contender(FINETUNED, finetuned),
+        ],
+        prompt_sets,
+        evaluation.settings(),
+        storage.path("evaluation", "measurements"),
+        api_key=vllm.api_key,
+        log=context.log.info,
+    )
+    by = {(m.contender, m.prompt_set): m for m in measurements}
+    before, after = by[(WARM_START, HELD_OUT)], by[(FINETUNED, HELD_OUT)]
+    if after.aux_layers is None:  # this vLLM does not log them: what its config tells it
+        config = json.loads((finetuned / "config.json").read_text())
+        served = tuple(config["eagle_aux_hidden_state_layer_ids"])
+        after = dataclasses.replace(after, aux_layers=served)
+    run = RunConfig.from_json(finetuned.parent / "run.json")
+    trained_layers = tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
+    offline = _offline_accuracy(run, finetuned, warm_start, context)
+    problem = verdict(before, after, trained_layers, evaluation.min_acceptance_rate)
+    serve = {
+        "method": "eagle3",
+        "model": str(finetuned),
+        "num_speculative_tokens": evaluation.num_speculative_tokens,
+    }
+    return dg.MaterializeResult(
+        metadata={
+            "comparison": dg.MetadataValue.md(comparison_table(measurements)),
+            "per_position_acceptance": dg.MetadataValue.md(
+                per_position_chart(measurements, HELD_OUT)
+            ),
+            "mean_acceptance_length": round(after.acceptance.mean_length, 3),
+            "mean_acceptance_length_warm_start": round(before.acceptance.mean_length, 3),
+            "acceptance_rate": round(after.acceptance_rate, 4),
+            "per_position": str([round(p, 3) for p in after.acceptance.per_position]),
+            "speedup": round(speedup(measurements, FINETUNED, HELD_OUT), 3),
+            "output_tokens_per_s": round(after.tokens_per_s, 1),
+            "heldout_prompts": after.prompts,
+            "training_time_accuracy": dg.MetadataValue.md(offline),
+            "export": dg.MetadataValue.path(str(finetuned)),
+            "serve_with": f"vllm serve {target.path} --speculative-config '{json.dumps(serve)}'",
+        },
+        check_results=[
+            dg.AssetCheckResult(
+                check_name=BEATS_WARM_START,
+                passed=problem is None,
+                description=problem or "beats the warm start",
+                metadata={
+                    "served_aux_layers": str(list(after.aux_layers)),
+                    "trained_aux_layers": str(list(trained_layers)),
+                    "finetuned": round(after.acceptance.mean_length, 3),
+                    "warm_start": round(before.acceptance.mean_length, 3),
+                    "acceptance_rate": round(after.acceptance_rate, 4),
+                    "min_acceptance_rate": evaluation.min_acceptance_rate,
+                },
+            )
+        ],
+    )
+
+
+def _finetuned_export(context: dg.AssetExecutionContext) -> Path:
+    """The directory eagle3_drafter last exported for vLLM."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter"))
+    if event is None or "export" not in event.asset_materialization.metadata:
+        raise dg.Failure("no exported eagle3_drafter: materialize eagle3_drafter first")
+    export = Path(event.asset_materialization.metadata["export"].value)
+    if not (export / "config.json").exists():
+        raise dg.Failure(f"eagle3_drafter's export {export} is gone: materialize it again")
+    return export
+
+
+def _offline_accuracy(
+    run: "RunConfig", finetuned: Path, warm_start: Path, context: dg.AssetExecutionContext
+) -> str:
+    """Markdown: per-position TTT accuracy of both drafters on the samples the training run
+    held out, labelled as what it is."""
+    from eagle3_assets.lib.train_drafter import LayerMismatch, heldout_accuracy
+
+    try:
+        rows = {
+            name: heldout_accuracy(
+                drafter, Path(run.target), run.batch_dirs, run.holdout_fraction, run.ttt_length
+            )
+            for name, drafter in ((WARM_START, warm_start), (FINETUNED, finetuned))
+        }
+    except LayerMismatch as mismatch:
+        context.log.warning(str(mismatch))
+        return f"No training-time accuracy: {mismatch}"
+    samples = rows[FINETUNED]["samples"]
+    context.log.info(f"training-time accuracy on {samples} held-out samples: {rows}")
+    if not samples:
+        return (
+            f"No held-out samples (holdout_fraction {run.holdout_fraction} of the training "
+            "batches): no training-time accuracy."
+        )
+    lines = [
+        f"Training-time accuracy (teacher-forced TTT on {samples} held-out samples, "
+        f"{rows[FINETUNED]['tokens']} tokens), not acceptance in vLLM:",
+        "",
+        "| drafter | accuracy by TTT position |",
+        "| --- | --- |",
+    ]
+    for name, row in rows.items():
+        lines.append(f"| {name} | {', '.join(f'{a:.3f}' for a in row['accuracy'])} |")
+    return "\n".join(lines)

@@ -1,0 +1,21 @@
+"""Extraction, training and evaluation on their own: each batch's hidden states once its
+generations exist, the drafter once every registered batch is extracted, its evaluation once
+it is exported. Opt-in (EAGLE3_AUTOMATION=1), because on a node where the serving vLLM holds
+every GPU these steps have nowhere to run until serving stops."""
+
+import os
+
+import dagster as dg
+
+drafter_automation = dg.AutomationConditionSensorDefinition(
+    "drafter_automation",
+    target=dg.AssetSelection.assets("hidden_states", "eagle3_drafter", "drafter_evaluation"),
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING
+    if os.environ.get("EAGLE3_AUTOMATION") == "1"
+    else dg.DefaultSensorStatus.STOPPED,
+    description="Requests hidden_states[batch] when synthetic_generations[batch] and the drafter "
+    "checkpoint are materialized, eagle3_drafter when no registered batch lacks hidden states, "
+    "drafter_evaluation when eagle3_drafter is updated. Turn it on where an accelerator (or, in "
+    "the miniature, the CPU) is free while the server generates.",
+)

@@ -1,0 +1,205 @@
+"""The whole story on the test-size world, through a real Dagster instance: the sensors' ticks
+evaluated against it as the daemon would (readiness -> launch run -> further batches ->
+hidden states -> training -> evaluation), each requested run executed, ending with a drafter
+evaluated in real vLLM. Then a broken export (the right weights told the wrong layers) must
+fail the evaluation's blocking check.
+
+Servers: the session's plain vLLM serves generation; drafter_evaluation starts its own, one at
+a time (without drafter, warm start, finetuned, then the broken one).
+"""
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from safetensors.torch import load_file
+
+from eagle3_assets.definitions import defs
+from eagle3_assets.lib.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
+from eagle3_assets_tests.conftest import free_port
+
+pytestmark = pytest.mark.vllm
+
+BATCH_SIZE = 16
+
+
+def apply(instance: dg.DagsterInstance, result: dg.SensorResult) -> None:
+    """What the daemon does with a tick's result besides launching runs."""
+    for event in result.asset_events or []:
+        instance.report_runless_asset_event(event)
+    for request in result.dynamic_partitions_requests or []:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+
+
+def tick(definitions: dg.Definitions, instance, name: str, cursor=None) -> dg.SensorResult:
+    sensor = definitions.resolve_sensor_def(name)
+    context = dg.build_sensor_context(
+        instance=instance, cursor=cursor, definitions=definitions, resources=definitions.resources
+    )
+    result = sensor(context)
+    apply(instance, result)
+    return result
+
+
+def execute(definitions: dg.Definitions, instance, job: str, request: dg.RunRequest):
+    result = definitions.resolve_job_def(job).execute_in_process(
+        instance=instance,
+        partition_key=request.partition_key,
+        tags=request.tags,
+        asset_selection=request.asset_selection,
+        raise_on_error=False,
+    )
+    assert result.success, f"{job} {request.partition_key} failed"
+    return result
+
+
+def materialize(definitions: dg.Definitions, instance, key: str, partition: str | None = None):
+    job = definitions.resolve_implicit_global_asset_job_def()
+    return job.execute_in_process(
+        instance=instance,
+        asset_selection=[dg.AssetKey(key)],
+        partition_key=partition,
+        raise_on_error=False,
+    )
+
+
+def metadata(instance, key: str) -> dict:
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def story(test_world, test_hub, vllm_target, serving_python, tmp_path_factory):
+    root = tmp_path_factory.mktemp("story")
+    extra = root / "extra.jsonl"  # "any JSONL of conversations": the pool's unbatched tail
+    pool = test_world.prompts.read_text().splitlines()
+    extra.write_text("\n".join(pool[len(pool) // BATCH_SIZE * BATCH_SIZE :]) + "\n")
+    env = miniature_env(
+        test_world.root, test_hub, vllm_target.base_url, root / "data", SERVED_TARGET_NAME
+    )
+    env |= {
+        "EAGLE3_BATCH_SIZE": str(BATCH_SIZE),
+        "EAGLE3_TEMPERATURE": "0",
+        "EAGLE3_MAX_TOKENS": "64",
+        "EAGLE3_TRAIN_STEPS": "60",
+        "EAGLE3_TRAIN_LR": "1e-3",
+        "EAGLE3_TRAIN_BATCH_SIZE": "4",
+        "EAGLE3_TTT_LENGTH": "3",
+        "EAGLE3_HOLDOUT_FRACTION": "0.1",
+        "EAGLE3_SERVING_PYTHON": str(serving_python),
+        "EAGLE3_EVAL_PORT": str(free_port()),
+        "EAGLE3_EVAL_PROMPT_SETS": f"extra={extra}",
+        "EAGLE3_EVAL_MAX_TOKENS": "64",
+    }
+    with pytest.MonkeyPatch.context() as patch, dg.instance_for_test() as instance:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        yield defs(), instance, env, root
+
+
+@pytest.fixture(scope="module")
+def evaluated(story):
+    """The story, run once for the module; the launch, batch and automation requests seen."""
+    definitions, instance, _, _ = story
+    seen: dict[str, list] = {}
+    # the automation sensor runs from the start, as in the daemon: its first evaluation only
+    # sets the cursor that later updates are judged against
+    cursor = dg.evaluate_automation_conditions(defs=definitions, instance=instance).cursor
+
+    # readiness: the session server is up, so the first tick sees it ready and asks for the
+    # launch run (checkpoint download beside the first batch)
+    readiness = tick(definitions, instance, "vllm_readiness_sensor")
+    seen["observed"] = [e.metadata["state"].value for e in readiness.asset_events]
+    (launch,) = readiness.run_requests
+    seen["launch"] = launch.partition_key
+    execute(definitions, instance, "launch", launch)
+
+    # the rest of the pool's full batches, registered and run because the server is ready
+    batches = tick(definitions, instance, "new_batches_sensor")
+    seen["new_batches"] = [r.partition_key for r in batches.run_requests]
+    for request in batches.run_requests:
+        execute(definitions, instance, "generate_batch", request)
+
+    # drafter_automation, evaluated until it asks for nothing more
+    seen["automation"], seen["runs"] = [], {}
+    while True:
+        result = dg.evaluate_automation_conditions(
+            defs=definitions, instance=instance, cursor=cursor
+        )
+        cursor = result.cursor
+        if not result.total_requested:
+            break
+        for key in ("hidden_states", "eagle3_drafter", "drafter_evaluation"):
+            for partition in sorted(result.get_requested_partitions(dg.AssetKey(key))):
+                seen["automation"].append((key, partition))
+                run = materialize(definitions, instance, key, partition)
+                assert run.success, f"{key} {partition} failed"
+                seen["runs"][key] = run
+    return seen
+
+
+def test_sensors_drive_the_graph_to_an_evaluated_drafter(evaluated, story, test_world):
+    _, instance, _, _ = story
+    pool_size = len(test_world.prompts.read_text().splitlines())
+    batches = [f"batch-{i:05d}" for i in range(pool_size // BATCH_SIZE)]
+    assert evaluated["observed"] == ["ready"]
+    assert evaluated["launch"] == batches[0]
+    assert evaluated["new_batches"] == batches[1:]
+    # every batch extracted, then ONE training once none is missing, then ONE evaluation
+    assert evaluated["automation"] == [
+        *[("hidden_states", b) for b in batches],
+        ("eagle3_drafter", None),
+        ("drafter_evaluation", None),
+    ]
+    training = metadata(instance, "eagle3_drafter")
+    assert training["steps"] == 60
+    run = json.loads((Path(training["export"]).parent / "run.json").read_text())
+    assert len(run["batch_dirs"]) == len(batches)
+
+
+def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story):
+    _, instance, _, _ = story
+    meta = metadata(instance, "drafter_evaluation")
+    print(meta["comparison"])  # shown by `pytest -rP`
+    finetuned, warm = meta["mean_acceptance_length"], meta["mean_acceptance_length_warm_start"]
+    assert finetuned > warm + 0.1, (finetuned, warm)
+    assert 0 < meta["acceptance_rate"] <= 1
+    assert len(json.loads(meta["per_position"])) == 3  # one rate per speculative token
+    assert meta["heldout_prompts"] == 5
+    assert meta["speedup"] > 0
+    # the table: both prompt sets, three servers each, numbers from /metrics
+    rows = [r for r in meta["comparison"].splitlines() if r.startswith("| held-out")]
+    assert [r.split(" | ")[1] for r in rows] == ["without drafter", "warm start", "finetuned"]
+    assert sum(r.startswith("| extra |") for r in meta["comparison"].splitlines()) == 3
+    assert meta["per_position_acceptance"].startswith("![per-position acceptance")
+    assert "| finetuned | " in meta["training_time_accuracy"]
+    assert "not acceptance" in meta["training_time_accuracy"]
+    serve = meta["serve_with"]
+    assert f'--speculative-config \'{{"method": "eagle3", "model": "{meta["export"]}"' in (serve)
+    (check,) = evaluated["runs"]["drafter_evaluation"].get_asset_check_evaluations()
+    assert check.check_name == "beats_warm_start" and check.passed
+
+
+def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, test_world):
+    definitions, instance, _, _ = story
+    export = Path(metadata(instance, "eagle3_drafter")["export"])
+    good = read_drafter(export, 8)
+    assert good.aux_layer_ids.vllm == (2, 4, 5)
+    tensors = load_file(export / "model.safetensors")
+    write_vllm_drafter(export, good.config, tensors, (0, 1, 3))  # same weights, wrong layers
+
+    run = materialize(definitions, instance, "drafter_evaluation")
+    (evaluation,) = run.get_asset_check_evaluations()
+    assert not evaluation.passed
+    # vLLM's own log line is the evidence: it fed the drafter the wrong layers. (On this tiny
+    # target the residual streams of nearby layers are alike, so acceptance hardly drops; on
+    # a big one it collapses. The check does not wait for that to show.)
+    assert evaluation.metadata["served_aux_layers"].value == "[0, 1, 3]"
+    assert evaluation.metadata["trained_aux_layers"].value == "[2, 4, 5]"
+    assert "fix eagle_aux_hidden_state_layer_ids" in evaluation.description
+    assert not run.success, "a failed blocking check fails the run"
+    logs = [r.user_message for r in instance.all_logs(run.run_id)]
+    # the plain and warm-start servers were measured before: only the broken one started
+    assert sum("starting vLLM" in m for m in logs) == 1, logs
