@@ -1,35 +1,54 @@
 # One image for the Dagster webserver, daemon and code location (the orchestration side).
 # vLLM is NOT in here: it keeps its own image/venv on the GPU node (requirements/serving-*.txt).
+# The three processes and Postgres: deploy/docker-compose.yaml; docs/deployment.md explains.
 #   docker build -t eagle3-assets .
-#   webserver:     docker run -p 127.0.0.1:3000:3000 eagle3-assets dagster-webserver -h 0.0.0.0 -p 3000 -w workspace.yaml
-#   daemon:        docker run eagle3-assets dagster-daemon run -w workspace.yaml
-#   code location: docker run eagle3-assets dagster code-server start -h 0.0.0.0 -p 4000 -m eagle3_assets.definitions
-FROM python:3.11.7-slim-bookworm
+#   webserver:     dagster-webserver -h 0.0.0.0 -p 3000 -w deploy/workspace-grpc.yaml
+#                  (publish it on the host's loopback only: -p 127.0.0.1:3000:3000)
+#   daemon:        dagster-daemon run -w deploy/workspace-grpc.yaml
+#   code location: dagster code-server start -h 0.0.0.0 -p 4000 -m eagle3_assets.definitions
+# Pinned: the base image by tag (pin its digest in your registry: PYTHON_IMAGE=python@sha256:...),
+# every Python package by deploy/constraints.txt (the whole resolved set, transitive included).
+ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    DAGSTER_HOME=/opt/dagster/home
+    DAGSTER_HOME=/opt/dagster/home \
+    EAGLE3_DATA_ROOT=/data
 
-RUN useradd --create-home --uid 10001 dagster \
+# A fixed numeric uid/gid, so volumes can be prepared for it on the host.
+RUN groupadd --gid 10001 dagster \
+    && useradd --create-home --uid 10001 --gid 10001 dagster \
     && mkdir -p /opt/dagster/home /opt/dagster/app /data \
-    && chown -R dagster:dagster /opt/dagster /data
+    && chown -R 10001:10001 /opt/dagster/home /data
 
 WORKDIR /opt/dagster/app
 
-# Dependencies first (a layer that survives code edits). Training runs on the GPU node's
-# own torch; this image needs torch only to import the lib, so take the CPU wheel.
-COPY pyproject.toml README.md ./
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-    && mkdir eagle3_assets && touch eagle3_assets/__init__.py \
-    && pip install . && pip uninstall --yes eagle3-assets && rm -rf eagle3_assets build
+# Layer 1, torch: the biggest download, changes least. Training and extraction run on the GPU
+# node's own torch; this image imports the lib only, so it takes the CPU wheel.
+COPY deploy/constraints.txt deploy/constraints.txt
+RUN pip install --constraint deploy/constraints.txt \
+    --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-# Then the code: a code change rebuilds only this layer.
+# Layer 2, every other dependency, from pyproject.toml alone (a stub package stands in for the
+# code): survives code edits.
+COPY pyproject.toml README.md ./
+RUN mkdir eagle3_assets && touch eagle3_assets/__init__.py \
+    && pip install --constraint deploy/constraints.txt ".[postgres,k8s]" \
+    && pip uninstall --yes eagle3-assets \
+    && rm -rf eagle3_assets build eagle3_assets.egg-info
+
+# Layer 3, the code: a code change rebuilds only this (seconds). Editable: the package stays
+# beside pyproject.toml, where `load_from_defs_folder` looks for the project root.
 COPY eagle3_assets ./eagle3_assets
 COPY workspace.yaml dagster.yaml ./
-RUN pip install --no-deps . && cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+COPY deploy ./deploy
+RUN pip install --no-deps --constraint deploy/constraints.txt --editable .
+# SQLite by default; the compose file mounts deploy/dagster-postgres.yaml over it.
+COPY --chown=10001:10001 dagster.yaml /opt/dagster/home/dagster.yaml
 
-USER dagster
+USER 10001:10001
 EXPOSE 3000 4000
 CMD ["dagster-webserver", "-h", "0.0.0.0", "-p", "3000", "-w", "workspace.yaml"]

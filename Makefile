@@ -8,7 +8,7 @@ export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export EAGLE3_SERVING_PYTHON := $(CURDIR)/$(SERVING_VENV)/bin/python
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: setup test lint format demo ui stop world clean
+.PHONY: setup system-packages test lint format demo ui stop world clean
 
 setup: $(VENV)/.installed $(SERVING_VENV)/.installed $(DAGSTER_HOME)/dagster.yaml
 
@@ -34,12 +34,21 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml $(VENV)/.installed
 	$(VENV)/bin/dagster instance concurrency set vllm 1 >/dev/null
 	$(VENV)/bin/dagster instance concurrency set gpu 1 >/dev/null
 
-test: setup
+# Debian's Chromium (the web UI test drives it through Playwright, no browser download) and
+# PostgreSQL (the instance-storage test starts a real server). Needs root or sudo.
+SYSTEM_PACKAGES := chromium postgresql
+system-packages:
+	@if dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; \
+	else $$( [ "$$(id -u)" = 0 ] || echo sudo ) sh -c 'apt-get update -qq && \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES)'; fi
+
+test: setup system-packages
 	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint --failure-threshold info Dockerfile
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .

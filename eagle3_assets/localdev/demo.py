@@ -181,7 +181,10 @@ def run_label(run) -> str:
     """What a run does, in the UI's words: its job, or its assets, and its batch."""
     assets = sorted(k.to_user_string() for k in run.asset_selection or [])
     what = run.job_name if run.job_name != "__ASSET_JOB" else "+".join(assets)
-    partition = run.tags.get("dagster/partition")
+    # one partition: a job's tag; a backfill's run (automation requests backfills): a range
+    partition = run.tags.get("dagster/partition") or run.tags.get(
+        "dagster/asset_partition_range_start"
+    )
     return f"{what}[{partition}]" if partition else what
 
 

@@ -72,4 +72,4 @@ def batch_backfill_schedule(context: dg.ScheduleEvaluationContext):
     todo = [key for key in pending_batches(context.instance) if key not in busy]
     if not todo:
         return dg.SkipReason("every registered batch is materialized or in flight")
-    return [dg.RunRequest(partition_key=key) for key in todo]
+    return [dg.RunRequest(partition_key=key, run_key=key) for key in todo]  # keyed per tick

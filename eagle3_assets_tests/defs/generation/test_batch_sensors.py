@@ -5,6 +5,7 @@ import json
 import dagster as dg
 import pytest
 
+from eagle3_assets.definitions import defs
 from eagle3_assets.defs.generation.sensors import batch_backfill_schedule, new_batches_sensor
 from eagle3_assets.partitions import sample_batches
 from eagle3_assets.resources import PromptPool
@@ -80,7 +81,12 @@ def materialize_batch(instance, key: str) -> None:
 
 
 def schedule_tick(instance):
-    return batch_backfill_schedule(dg.build_schedule_context(instance=instance))
+    """A tick as the daemon evaluates it (its invariants included): the run requests, or a
+    SkipReason."""
+    repository = defs().get_repository_def()
+    context = dg.build_schedule_context(instance=instance, repository_def=repository)
+    data = batch_backfill_schedule.evaluate_tick(context)
+    return dg.SkipReason(data.skip_message) if data.skip_message else data.run_requests
 
 
 def test_backfill_schedule_requests_registered_unmaterialized_batches(instance):

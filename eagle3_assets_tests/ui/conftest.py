@@ -1,0 +1,126 @@
+"""The project's webserver and daemon on 127.0.0.1, and headless Chromium to drive them.
+
+The browser is Debian's (`chromium`, installed by `make system-packages`), driven through
+Playwright's Python API and its bundled node driver: no browser download. Screenshots and the
+Dagster processes' logs land in EAGLE3_TEST_ARTIFACTS (default data/test-artifacts/ui/).
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from eagle3_assets.lib.vllm_launcher import terminate_group
+from eagle3_assets.localdev.demo import running_daemon
+from eagle3_assets_tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = Path(os.environ.get("EAGLE3_CHROMIUM", "/usr/bin/chromium"))
+ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", REPO / "data" / "test-artifacts" / "ui"))
+POOLS = ("vllm", "gpu")  # the limits `make setup` sets with `dagster instance concurrency set`
+
+
+@dataclass(frozen=True)
+class DagsterUI:
+    """A running webserver; the daemon starts when the test asks (after it set automation)."""
+
+    url: str
+    home: Path
+    env: dict[str, str]
+
+    def daemon(self) -> contextlib.AbstractContextManager[int]:
+        return running_daemon(self.home, self.env, ARTIFACTS / "dagster-daemon.log")
+
+
+@contextlib.contextmanager
+def running_webserver(home: Path, env: dict[str, str], log_file: Path) -> Iterator[str]:
+    """`dagster-webserver` on a free loopback port, in its own process group; yields its URL
+    once it answers (the code location loads in the background)."""
+    port = free_port()
+    webserver = Path(sys.executable).parent / "dagster-webserver"
+    command = [str(webserver), "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"]
+    with open(log_file, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, **env, "DAGSTER_HOME": str(home)},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"dagster-webserver exited: {log_file.read_text()[-3000:]}")
+            with (
+                contextlib.suppress(urllib.error.URLError, ConnectionError),
+                urllib.request.urlopen(f"{url}/server_info", timeout=5) as response,
+            ):
+                if response.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dagster-webserver silent after 180 s: see {log_file}")
+            time.sleep(1)
+        yield url
+    finally:
+        terminate_group(process.pid, grace_s=20.0)
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for pattern in ("[0-9][0-9]-*.png", "FAILED-*.png", "dagster-*.log"):  # ours, last time's
+        for old in ARTIFACTS.glob(pattern):
+            old.unlink()
+    return ARTIFACTS
+
+
+@pytest.fixture
+def dagster_ui(pipeline_env, dagster_home, artifacts) -> Iterator[DagsterUI]:
+    """The webserver on the project's workspace, pointed at the session's vLLM server and a
+    fresh data root, over a fresh instance with the pool limits the Makefile sets."""
+    with dg.DagsterInstance.get() as instance:
+        for pool in POOLS:
+            instance.event_log_storage.set_concurrency_slots(pool, 1)
+    with running_webserver(dagster_home, pipeline_env, artifacts / "dagster-webserver.log") as url:
+        yield DagsterUI(url, dagster_home, pipeline_env)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def page(request, artifacts) -> Iterator[Page]:
+    """A headless Chromium page with generous waits (a slow 2-core machine); a failing test
+    leaves a screenshot of where it stopped."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make system-packages` (Debian chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1200})
+            page.set_default_timeout(60_000)
+            expect.set_options(timeout=60_000)
+            yield page
+            report = getattr(request.node, "report_call", None)
+            if report is not None and report.failed:
+                page.screenshot(path=artifacts / f"FAILED-{request.node.name}.png")
+        finally:
+            browser.close()
