@@ -79,24 +79,38 @@ def miniature_env(
 
 
 @contextlib.contextmanager
-def running_daemon(dagster_home: Path, env: dict[str, str], log_file: Path) -> Iterator[int]:
-    """`dagster-daemon run` in its own process group, stopped as a whole on exit."""
+def process_group(
+    argv: list[str], env: dict[str, str], log_file: Path, cwd: Path = PROJECT_ROOT
+) -> Iterator[subprocess.Popen]:
+    """`argv` in its own session, output appended to `log_file`; on exit SIGINT to the whole
+    group (a Dagster process takes it as a clean stop, its children too), SIGKILL after 20 s."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    daemon = Path(sys.executable).parent / "dagster-daemon"
     with open(log_file, "ab") as log:
         process = subprocess.Popen(
-            [str(daemon), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
-            cwd=PROJECT_ROOT,
-            env={**os.environ, **env, "DAGSTER_HOME": str(dagster_home)},
+            argv,
+            cwd=cwd,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        yield process.pid
+        yield process
     finally:
         terminate_group(process.pid, grace_s=20.0, first=signal.SIGINT)
+
+
+def running_daemon(
+    dagster_home: Path, env: dict[str, str], log_file: Path
+) -> contextlib.AbstractContextManager[subprocess.Popen]:
+    """`dagster-daemon run` on the project's workspace, with `env` and DAGSTER_HOME."""
+    daemon = Path(sys.executable).parent / "dagster-daemon"
+    return process_group(
+        [str(daemon), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
+        {**os.environ, **env, "DAGSTER_HOME": str(dagster_home)},
+        log_file,
+    )
 
 
 def launch_runs(instance, instance_ids: str | None = None) -> list:

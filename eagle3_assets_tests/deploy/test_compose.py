@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from eagle3_assets.localdev.demo import process_group
 from eagle3_assets_tests.conftest import REPO, free_port
-from eagle3_assets_tests.deploy.webserver import running_webserver, stop_group
+from eagle3_assets_tests.webserver import running_webserver
 
 COMPOSE = yaml.safe_load((REPO / "deploy" / "docker-compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
@@ -85,11 +86,7 @@ def test_code_server_and_webserver_commands_serve_the_location(
     workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=code_port)
     (tmp_path / "workspace.yaml").write_text(yaml.safe_dump(workspace))
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
-    with open(tmp_path / "code.log", "wb") as out:
-        code = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
+    with process_group(argv, env, tmp_path / "code.log") as code:
         wait_serving(code, code_port, tmp_path / "code.log")
         with running_webserver(
             dagster_home, {}, ui_port, tmp_path / "ui.log", workspace=tmp_path / "workspace.yaml"
@@ -97,5 +94,3 @@ def test_code_server_and_webserver_commands_serve_the_location(
             jobs = {j["name"] for j in server.graphql(JOBS)["repositoryOrError"]["jobs"]}
         assert {"generate_batch", "launch"} <= jobs
         assert code.poll() is None  # the webserver talked to the running gRPC server
-    finally:
-        stop_group(code)

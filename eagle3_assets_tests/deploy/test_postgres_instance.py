@@ -16,8 +16,8 @@ from dagster._core.scheduler.instigation import InstigatorType, TickData, TickSt
 from eagle3_assets_tests.conftest import REPO, free_port
 from eagle3_assets_tests.deploy.helpers import pipeline_env, project_defs, write_pool
 from eagle3_assets_tests.deploy.postgres import Postgres, running_postgres
-from eagle3_assets_tests.deploy.webserver import Webserver, running_webserver
 from eagle3_assets_tests.openai_stub import OpenAIStub
+from eagle3_assets_tests.webserver import Webserver, running_webserver
 
 PG_CONFIG = REPO / "deploy" / "dagster-postgres.yaml"
 REPOSITORY = {"repositoryLocationName": "eagle3_assets", "repositoryName": "__repository__"}

@@ -19,8 +19,8 @@ from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
 from eagle3_assets.resources import HF_TOKEN_ENV
 from eagle3_assets_tests.conftest import REPO, free_port
-from eagle3_assets_tests.deploy.webserver import running_webserver
 from eagle3_assets_tests.openai_stub import OpenAIStub
+from eagle3_assets_tests.webserver import running_webserver
 
 API_KEY = "sk-sentinel-vllm-3f9c1d2e7a"
 HF_TOKEN = "hf_sentinelToken8b41c0aa"

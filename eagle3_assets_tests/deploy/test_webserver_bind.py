@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from eagle3_assets.localdev.demo import process_group
 from eagle3_assets_tests.conftest import REPO, free_port
 from eagle3_assets_tests.deploy.dockerfile import instructions
-from eagle3_assets_tests.deploy.webserver import stop_group
 
 STARTS_UI = re.compile(r"dagster(-webserver| dev)\b")
 
@@ -61,21 +61,14 @@ def test_make_ui_listens_on_loopback_only(dagster_home: Path, tmp_path: Path) ->
     flag = next(i for i, arg in enumerate(argv) if arg in ("-p", "--port"))
     argv[flag + 1] = str(port)  # the Makefile's 3000 may be taken here
     log = tmp_path / "ui.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            argv, cwd=REPO, env={**os.environ, "DAGSTER_HOME": str(dagster_home)},
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
+    env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+    with process_group(argv, env, log) as process:
         deadline = time.monotonic() + 120
         while not listening(port):
             assert process.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the UI never listened"
             time.sleep(0.25)
         assert listening(port) == {"127.0.0.1"}
-    finally:
-        stop_group(process)
 
 
 def test_every_shipped_webserver_start_is_loopback_or_published_on_loopback() -> None:

@@ -7,11 +7,6 @@ Dagster processes' logs land in EAGLE3_TEST_ARTIFACTS (default data/test-artifac
 
 import contextlib
 import os
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +15,9 @@ import dagster as dg
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from eagle3_assets.lib.vllm_launcher import terminate_group
 from eagle3_assets.localdev.demo import running_daemon
 from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.webserver import running_webserver
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("EAGLE3_CHROMIUM", "/usr/bin/chromium"))
@@ -42,43 +37,6 @@ class DagsterUI:
         return running_daemon(self.home, self.env, ARTIFACTS / "dagster-daemon.log")
 
 
-@contextlib.contextmanager
-def running_webserver(home: Path, env: dict[str, str], log_file: Path) -> Iterator[str]:
-    """`dagster-webserver` on a free loopback port, in its own process group; yields its URL
-    once it answers (the code location loads in the background)."""
-    port = free_port()
-    webserver = Path(sys.executable).parent / "dagster-webserver"
-    command = [str(webserver), "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"]
-    with open(log_file, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, **env, "DAGSTER_HOME": str(home)},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"dagster-webserver exited: {log_file.read_text()[-3000:]}")
-            with (
-                contextlib.suppress(urllib.error.URLError, ConnectionError),
-                urllib.request.urlopen(f"{url}/server_info", timeout=5) as response,
-            ):
-                if response.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"dagster-webserver silent after 180 s: see {log_file}")
-            time.sleep(1)
-        yield url
-    finally:
-        terminate_group(process.pid, grace_s=20.0)
-
-
 @pytest.fixture(scope="session")
 def artifacts() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -95,8 +53,9 @@ def dagster_ui(pipeline_env, dagster_home, artifacts) -> Iterator[DagsterUI]:
     with dg.DagsterInstance.get() as instance:
         for pool in POOLS:
             instance.event_log_storage.set_concurrency_slots(pool, 1)
-    with running_webserver(dagster_home, pipeline_env, artifacts / "dagster-webserver.log") as url:
-        yield DagsterUI(url, dagster_home, pipeline_env)
+    log = artifacts / "dagster-webserver.log"
+    with running_webserver(dagster_home, pipeline_env, free_port(), log) as server:
+        yield DagsterUI(server.url, dagster_home, pipeline_env)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

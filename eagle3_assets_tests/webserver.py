@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from eagle3_assets.localdev.demo import process_group
+
+REPO = Path(__file__).resolve().parents[1]
 WEBSERVER = Path(sys.executable).parent / "dagster-webserver"
 
 LOCATION_STATUS = """
@@ -51,38 +52,17 @@ def running_webserver(
     env: dict[str, str],
     port: int,
     log: Path,
-    timeout_s: float = 120.0,
+    timeout_s: float = 180.0,
     workspace: Path = REPO / "workspace.yaml",
 ) -> Iterator[Webserver]:
     """`dagster-webserver -h 127.0.0.1 -p PORT -w workspace.yaml`, yielded once the code
-    location has loaded; SIGTERM to its process group on exit (then SIGKILL)."""
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            [str(WEBSERVER), "-h", "127.0.0.1", "-p", str(port), "-w", str(workspace)],
-            cwd=REPO,
-            env={**os.environ, **env, "DAGSTER_HOME": str(dagster_home)},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Webserver(f"http://127.0.0.1:{port}", process.pid, log)
-    try:
+    location has loaded; its process group stopped on exit."""
+    argv = [str(WEBSERVER), "-h", "127.0.0.1", "-p", str(port), "-w", str(workspace)]
+    full_env = {**os.environ, **env, "DAGSTER_HOME": str(dagster_home)}
+    with process_group(argv, full_env, log) as process:
+        server = Webserver(f"http://127.0.0.1:{port}", process.pid, log)
         _wait_loaded(server, process, timeout_s)
         yield server
-    finally:
-        stop_group(process)
-
-
-def stop_group(process: subprocess.Popen, grace_s: float = 20.0) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _wait_loaded(server: Webserver, process: subprocess.Popen, timeout_s: float) -> None:
