@@ -19,11 +19,12 @@ from eagle3_assets.lib.conversations import (
     parse_batch_key,
 )
 from eagle3_assets.lib.hub_files import local_file
-from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
+from eagle3_assets.lib.vllm_launcher import API_KEY_ENV, VLLMLaunchSpec
 from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
     from eagle3_assets.lib.drafter_checkpoint import TargetShape
+    from eagle3_assets.lib.evaluation import EvaluationSettings
     from eagle3_assets.lib.generation import GenerationConfig
     from eagle3_assets.lib.hidden_states import ExtractionSettings
 
@@ -282,10 +283,10 @@ class EvaluationRecipe(dg.ConfigurableResource):
             name: [c.messages for c in rows[: self.max_prompts]] for name, rows in loaded.items()
         }
 
-    def launch_spec(self, target: TargetModel, run_dir: Path, served_model_name: str):
+    def launch_spec(
+        self, target: TargetModel, run_dir: Path, served_model_name: str
+    ) -> VLLMLaunchSpec:
         """The plain server every contender starts from (lib/evaluation adds the drafter)."""
-        from eagle3_assets.lib.vllm_launcher import VLLMLaunchSpec
-
         return VLLMLaunchSpec(
             model=target.path,
             python=Path(self.serving_python),
@@ -300,7 +301,7 @@ class EvaluationRecipe(dg.ConfigurableResource):
             extra_args=tuple(self.vllm_args),
         )
 
-    def settings(self):
+    def settings(self) -> EvaluationSettings:
         from eagle3_assets.lib.evaluation import EvaluationSettings
 
         return EvaluationSettings(
@@ -322,6 +323,17 @@ class DrafterHub(dg.ConfigurableResource):
 
 def _secret(name: str) -> dg.EnvVar | None:
     return dg.EnvVar(name) if name in os.environ else None
+
+
+def _named_paths(variable: str, env: dict[str, str]) -> dict[str, str]:
+    """`name=path,name=path` from one variable, with the offending item named if malformed."""
+    named = {}
+    for item in filter(None, (i.strip() for i in env.get(variable, "").split(","))):
+        name, equals, path = item.partition("=")
+        if not (name and equals and path):
+            raise ValueError(f"{variable}: expected name=path items, found {item!r}")
+        named[name] = path
+    return named
 
 
 def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
@@ -379,11 +391,7 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
         ),
         "evaluation": EvaluationRecipe(
             heldout_prompts=env.get("EAGLE3_HELDOUT_PROMPTS", f"{world}/prompts-heldout.jsonl"),
-            prompt_sets=dict(
-                item.split("=", 1)
-                for item in env.get("EAGLE3_EVAL_PROMPT_SETS", "").split(",")
-                if item
-            ),
+            prompt_sets=_named_paths("EAGLE3_EVAL_PROMPT_SETS", env),
             max_prompts=int(env.get("EAGLE3_EVAL_MAX_PROMPTS", "200")),
             max_tokens=int(env.get("EAGLE3_EVAL_MAX_TOKENS", "256")),
             concurrency=int(env.get("EAGLE3_EVAL_CONCURRENCY", "16")),

@@ -15,6 +15,7 @@ from eagle3_assets.lib.evaluation import (
     speedup,
     verdict,
 )
+from eagle3_assets.resources import resources_from_env
 
 LAYERS = (2, 4, 5)
 
@@ -84,3 +85,14 @@ def test_the_layers_vllm_reports_come_from_its_last_start(tmp_path: Path):
     assert served_aux_layers(log) == (0, 1, 3)
     log.write_text("no such line\n")
     assert served_aux_layers(log) is None
+
+
+def test_prompt_sets_come_by_name_and_a_bad_item_is_named():
+    env = {"EAGLE3_EVAL_PROMPT_SETS": "mt-bench=/p/mt.jsonl, gsm8k=hf://datasets/o/g/t.jsonl"}
+    evaluation = resources_from_env(env)["evaluation"]
+    assert evaluation.prompt_sets == {
+        "mt-bench": "/p/mt.jsonl",
+        "gsm8k": "hf://datasets/o/g/t.jsonl",
+    }
+    with pytest.raises(ValueError, match=r"EAGLE3_EVAL_PROMPT_SETS: .* found 'humaneval'"):
+        resources_from_env({"EAGLE3_EVAL_PROMPT_SETS": "mt-bench=/p/mt.jsonl,humaneval"})

@@ -96,13 +96,13 @@ def story(test_world, test_hub, vllm_target, serving_python, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch, dg.instance_for_test() as instance:
         for name, value in env.items():
             patch.setenv(name, value)
-        yield defs(), instance, env, root
+        yield defs(), instance
 
 
 @pytest.fixture(scope="module")
 def evaluated(story):
     """The story, run once for the module; the launch, batch and automation requests seen."""
-    definitions, instance, _, _ = story
+    definitions, instance = story
     seen: dict[str, list] = {}
     # the automation sensor runs from the start, as in the daemon: its first evaluation only
     # sets the cursor that later updates are judged against
@@ -141,7 +141,7 @@ def evaluated(story):
 
 
 def test_sensors_drive_the_graph_to_an_evaluated_drafter(evaluated, story, test_world):
-    _, instance, _, _ = story
+    _, instance = story
     pool_size = len(test_world.prompts.read_text().splitlines())
     batches = [f"batch-{i:05d}" for i in range(pool_size // BATCH_SIZE)]
     assert evaluated["observed"] == ["ready"]
@@ -159,15 +159,15 @@ def test_sensors_drive_the_graph_to_an_evaluated_drafter(evaluated, story, test_
     assert len(run["batch_dirs"]) == len(batches)
 
 
-def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story):
-    _, instance, _, _ = story
+def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story, test_world):
+    _, instance = story
     meta = metadata(instance, "drafter_evaluation")
     print(meta["comparison"])  # shown by `pytest -rP`
     finetuned, warm = meta["mean_acceptance_length"], meta["mean_acceptance_length_warm_start"]
     assert finetuned > warm + 0.1, (finetuned, warm)
     assert 0 < meta["acceptance_rate"] <= 1
     assert len(json.loads(meta["per_position"])) == 3  # one rate per speculative token
-    assert meta["heldout_prompts"] == 5
+    assert meta["heldout_prompts"] == len(test_world.heldout_prompts.read_text().splitlines())
     assert meta["speedup"] > 0
     # the table: both prompt sets, three servers each, numbers from /metrics
     rows = [r for r in meta["comparison"].splitlines() if r.startswith("| held-out")]
@@ -182,8 +182,8 @@ def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story):
     assert check.check_name == "beats_warm_start" and check.passed
 
 
-def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, test_world):
-    definitions, instance, _, _ = story
+def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story):
+    definitions, instance = story
     export = Path(metadata(instance, "eagle3_drafter")["export"])
     good = read_drafter(export, 8)
     assert good.aux_layer_ids.vllm == (2, 4, 5)
