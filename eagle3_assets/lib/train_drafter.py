@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.lib.drafter_checkpoint import TargetShape
 from eagle3_assets.lib.drafter_io import check_fits_target, read_drafter, write_vllm_drafter
 from eagle3_assets.lib.eagle3_model import Eagle3Drafter, scratch_config
 from eagle3_assets.lib.eagle3_training import (
@@ -315,8 +316,7 @@ def heldout_accuracy(
         shuffle_buffer=1,
         select=lambda sample_id: held_out(sample_id, holdout_fraction),
     )
-    target_config = json.loads((target / "config.json").read_text())
-    layers = target_config.get("text_config", target_config)["num_hidden_layers"]
+    layers = TargetShape.from_config(target).num_hidden_layers
     model, _ = load_drafter(drafter, head, reader, layers)
     model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
