@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import dagster as dg
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports thi
     from eagle3_assets.lib.generation import GenerationConfig
     from eagle3_assets.lib.hidden_states import ExtractionSettings
 
+T = TypeVar("T")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 HF_TOKEN_ENV = "HF_TOKEN"
 
@@ -325,6 +327,11 @@ def _secret(name: str) -> dg.EnvVar | None:
     return dg.EnvVar(name) if name in os.environ else None
 
 
+def _optional(kind: Callable[[str], T], variable: str, env: dict[str, str]) -> T | None:
+    """A variable's value as `kind`; None when unset or empty (the setting's "not given")."""
+    return kind(env[variable]) if env.get(variable) else None
+
+
 def _named_paths(variable: str, env: dict[str, str]) -> dict[str, str]:
     """`name=path,name=path` from one variable, with the offending item named if malformed."""
     named = {}
@@ -374,7 +381,7 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
             shard_mb=int(env.get("EAGLE3_SHARD_MB", "1024")),
             dtype=env.get("EAGLE3_EXTRACT_DTYPE", "bfloat16"),
             device=env.get("EAGLE3_EXTRACT_DEVICE", "auto"),
-            cap_gb=float(env["EAGLE3_HIDDEN_CAP_GB"]) if env.get("EAGLE3_HIDDEN_CAP_GB") else None,
+            cap_gb=_optional(float, "EAGLE3_HIDDEN_CAP_GB", env),
             serving_python=env.get("EAGLE3_SERVING_PYTHON", ".venv-vllm/bin/python"),
             vllm_tensor_parallel_size=int(env.get("EAGLE3_EXTRACT_TP", "1")),
             vllm_args=env.get("EAGLE3_EXTRACT_VLLM_ARGS", "").split(),
@@ -400,12 +407,8 @@ def resources_from_env(env: dict[str, str] | None = None) -> dict[str, object]:
             serving_python=env.get("EAGLE3_SERVING_PYTHON", ".venv-vllm/bin/python"),
             port=int(env.get("EAGLE3_EVAL_PORT", "8020")),
             tensor_parallel_size=int(env.get("EAGLE3_EVAL_TP", "1")),
-            max_model_len=int(env["EAGLE3_EVAL_MAX_MODEL_LEN"])
-            if env.get("EAGLE3_EVAL_MAX_MODEL_LEN")
-            else None,
-            cpu_kvcache_gib=int(env["EAGLE3_EVAL_CPU_KVCACHE_GIB"])
-            if env.get("EAGLE3_EVAL_CPU_KVCACHE_GIB")
-            else None,
+            max_model_len=_optional(int, "EAGLE3_EVAL_MAX_MODEL_LEN", env),
+            cpu_kvcache_gib=_optional(int, "EAGLE3_EVAL_CPU_KVCACHE_GIB", env),
             vllm_args=env.get("EAGLE3_EVAL_VLLM_ARGS", "").split(),
             cache_dir=env.get("EAGLE3_HF_CACHE"),
             token=_secret(HF_TOKEN_ENV),
