@@ -86,8 +86,9 @@ def evaluate(
     measurements = []
     for contender in contenders:
         served = serving_spec(spec, contender, settings)
+        drafter = _file_hashes(contender.drafter) if contender.drafter else None  # once: GBs
         files = {
-            name: results_dir / f"{_key(served, contender, conversations, settings)}.json"
+            name: results_dir / f"{_key(served, drafter, conversations, settings)}.json"
             for name, conversations in prompt_sets.items()
         }
         todo = [name for name, path in files.items() if not path.exists()]
@@ -154,17 +155,17 @@ def _measure_on_new_server(
         stop(spec.run_dir, grace_s=30)
 
 
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(directory.iterdir()) if p.is_file()}
+
+
 def _key(
     spec: VLLMLaunchSpec,
-    contender: Contender,
+    drafter: dict[str, str] | None,
     conversations: list[list[dict]],
     settings: EvaluationSettings,
 ) -> str:
-    drafter = (
-        {p.name: file_sha256(p) for p in sorted(contender.drafter.iterdir()) if p.is_file()}
-        if contender.drafter
-        else None
-    )
+    """What decides a measurement: the server command, the drafter's bytes, the prompts."""
     decided_by = {
         "command": build_command(dataclasses.replace(spec, port=0, run_dir=Path("."))),
         "drafter": drafter,
