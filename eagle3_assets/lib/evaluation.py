@@ -20,6 +20,7 @@ from pathlib import Path
 
 from eagle3_assets.lib.acceptance import Acceptance, measure_acceptance
 from eagle3_assets.lib.charts import line_chart_svg, markdown_image
+from eagle3_assets.lib.layer_ids import KEY
 from eagle3_assets.lib.shard_format import file_sha256, write_atomically
 from eagle3_assets.lib.vllm_launcher import (
     VLLMLaunchSpec,
@@ -58,7 +59,7 @@ class Measurement:
     prompt_set: str
     prompts: int
     acceptance: Acceptance
-    aux_layers: tuple[int, ...] | None = None  # as vLLM reported them; None: not reported
+    aux_layers: tuple[int, ...] | None = None  # fed to the drafter; None: no drafter
 
     @property
     def tokens_per_s(self) -> float:
@@ -129,7 +130,7 @@ def _measure_on_new_server(
         model = spec.served_model_name or spec.model
         first = next(iter(prompt_sets.values()))[0]
         smoke_chat(spec.base_url, model, first, 8, 600.0, api_key)  # warm-up, not counted
-        layers = served_aux_layers(spec.log_file) if contender.drafter else None
+        layers = served_aux_layers(spec.log_file, contender.drafter) if contender.drafter else None
         log(f"{contender.name}: ready in {loaded:.0f}s, vLLM feeds the drafter layers {layers}")
         for name, conversations in prompt_sets.items():
             counted = measure_acceptance(
@@ -183,10 +184,13 @@ def _load(path: Path, contender: str, prompt_set: str) -> Measurement:
     )
 
 
-def served_aux_layers(log_file: Path) -> tuple[int, ...] | None:
-    """The aux layers the last server start in `log_file` says it feeds the drafter."""
+def served_aux_layers(log_file: Path, drafter: Path) -> tuple[int, ...]:
+    """The aux layers the last server start in `log_file` says it feeds the drafter; where a
+    vLLM does not say, the only ids it reads: the drafter config's top-level ones."""
     found = AUX_LAYERS_LINE.findall(log_file.read_text(errors="replace"))
-    return tuple(int(i) for i in found[-1].split(",") if i.strip()) if found else None
+    if found:
+        return tuple(int(i) for i in found[-1].split(",") if i.strip())
+    return tuple(json.loads((drafter / "config.json").read_text())[KEY])
 
 
 def speedup(measurements: Sequence[Measurement], contender: str, prompt_set: str) -> float:

@@ -75,16 +75,19 @@ def test_verdicts(measurements):
     assert "no drafts" in verdict(warm, silent, LAYERS, 0.05)
 
 
-def test_the_layers_vllm_reports_come_from_its_last_start(tmp_path: Path):
+def test_the_layers_fed_to_the_drafter_come_from_vllms_last_start_or_its_config(tmp_path: Path):
     log = tmp_path / "server.log"
     log.write_text(
         "(Worker pid=1) INFO [gpu_model_runner.py:5243] Using auxiliary layers from speculative "
         "config: (2, 4, 5)\n=== restart\n(Worker pid=2) INFO Using auxiliary layers from "
         "speculative config: (0, 1, 3)\n"
     )
-    assert served_aux_layers(log) == (0, 1, 3)
-    log.write_text("no such line\n")
-    assert served_aux_layers(log) is None
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}')
+    assert served_aux_layers(log, drafter) == (0, 1, 3)
+    log.write_text("no such line\n")  # a vLLM that does not say: the ids it reads
+    assert served_aux_layers(log, drafter) == (2, 4, 5)
 
 
 def test_prompt_sets_come_by_name_and_a_bad_item_is_named():

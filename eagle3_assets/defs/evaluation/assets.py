@@ -1,7 +1,6 @@
 """Drafter evaluation: the warm start and the finetuned drafter, each served by real vLLM as
 the target's eagle3 speculator on prompts never trained on; the numbers users decide from."""
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,10 +80,6 @@ def drafter_evaluation(
     )
     by = {(m.contender, m.prompt_set): m for m in measurements}
     before, after = by[(WARM_START, HELD_OUT)], by[(FINETUNED, HELD_OUT)]
-    if after.aux_layers is None:  # this vLLM does not log them: what its config tells it
-        config = json.loads((finetuned / "config.json").read_text())
-        served = tuple(config["eagle_aux_hidden_state_layer_ids"])
-        after = dataclasses.replace(after, aux_layers=served)
     run = RunConfig.from_json(finetuned.parent / "run.json")
     trained_layers = tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
     offline = _offline_accuracy(run, finetuned, warm_start, context)
