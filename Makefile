@@ -65,7 +65,7 @@ ui: setup
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 stop:
-	-$(VENV)/bin/python -m eagle3_assets.lib.vllm_launcher stop --run-dir data/vllm
+	-$(VENV)/bin/python -m eagle3_assets.lib.serving.vllm_launcher stop --run-dir data/vllm
 
 clean: stop
 	rm -rf $(VENV) $(SERVING_VENV) $(DAGSTER_HOME) data

@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3_assets.lib.conversations import Conversation
-from eagle3_assets.lib.generation import GenerationConfig, run_batch
+from eagle3_assets.lib.generation.batch import run_batch
+from eagle3_assets.lib.generation.chat_client import GenerationConfig
+from eagle3_assets.lib.generation.conversations import Conversation
 
 # (concurrency, requests, completion tokens per answer, return_token_ids)
 CASES = [

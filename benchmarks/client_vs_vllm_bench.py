@@ -41,9 +41,10 @@ from dataclasses import dataclass, replace
 from itertools import cycle, islice
 from pathlib import Path
 
-from eagle3_assets.lib.conversations import Conversation, load_conversations
-from eagle3_assets.lib.generation import GenerationConfig, run_batch
-from eagle3_assets.lib.vllm_launcher import (
+from eagle3_assets.lib.generation.batch import run_batch
+from eagle3_assets.lib.generation.chat_client import GenerationConfig
+from eagle3_assets.lib.generation.conversations import Conversation, load_conversations
+from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
     VLLMLaunchSpec,
     build_command,

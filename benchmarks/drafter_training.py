@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3_assets.lib.eagle3_model import DrafterConfig, Eagle3Drafter
-from eagle3_assets.lib.eagle3_training import Batch, ttt_loss
+from eagle3_assets.lib.training.eagle3_model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.lib.training.ttt import Batch, ttt_loss
 
 REPO = Path(__file__).resolve().parents[1]
 THREADS = 2
@@ -144,11 +144,15 @@ def prepare_miniature(plan: Plan, work: Path) -> tuple[Path, Path, Path, dict]:
     training run reads, made the way the training asset makes them."""
     from transformers import AutoTokenizer
 
-    from eagle3_assets.lib.hidden_capture import HFTarget
-    from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
-    from eagle3_assets.lib.layer_ids import default_aux_layers
-    from eagle3_assets.lib.shard_format import ShardFormat
-    from eagle3_assets.lib.token_sequences import build_sequences
+    from eagle3_assets.lib.core.layer_ids import default_aux_layers
+    from eagle3_assets.lib.hidden_states.extract import (
+        ExtractionSettings,
+        LayerSelection,
+        extract_batch,
+    )
+    from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+    from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
+    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
     from eagle3_assets.localdev.greedy import greedy_generation_rows
     from eagle3_assets.localdev.hub import make_untrained_drafter
     from eagle3_assets.localdev.world import build_world
@@ -187,7 +191,7 @@ def prepare_miniature(plan: Plan, work: Path) -> tuple[Path, Path, Path, dict]:
 
 def train_child(spec: dict) -> dict:
     """In the child: one `train()` run; its history, timings and peak RSS."""
-    from eagle3_assets.lib.train_drafter import RunConfig, train
+    from eagle3_assets.lib.training.train_drafter import RunConfig, train
 
     torch.set_num_threads(THREADS)
     before = peak_rss_bytes()

@@ -14,15 +14,19 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from eagle3_assets.lib.acceptance import Acceptance, measure_acceptance
-from eagle3_assets.lib.conversations import load_conversations
-from eagle3_assets.lib.drafter_io import read_drafter, write_vllm_drafter
-from eagle3_assets.lib.hidden_capture import HFTarget
-from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
-from eagle3_assets.lib.shard_format import ShardFormat
-from eagle3_assets.lib.token_sequences import build_sequences
-from eagle3_assets.lib.train_drafter import RunConfig, train
-from eagle3_assets.lib.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
+from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
+from eagle3_assets.lib.generation.conversations import load_conversations
+from eagle3_assets.lib.hidden_states.extract import (
+    ExtractionSettings,
+    LayerSelection,
+    extract_batch,
+)
+from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
+from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
+from eagle3_assets.lib.training.train_drafter import RunConfig, train
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import train_world_drafter

@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3_assets.lib.hidden_capture import HFTarget, length_buckets, right_padded
-from eagle3_assets.lib.hidden_states import (
+from eagle3_assets.lib.hidden_states.extract import (
     ExtractionSettings,
     LayerSelection,
     extract_batch,
 )
-from eagle3_assets.lib.shard_format import (
+from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, length_buckets, right_padded
+from eagle3_assets.lib.hidden_states.shard_format import (
     KIMI_AUX_LAYERS,
     KIMI_HIDDEN_SIZE,
     ShardFormat,
@@ -45,7 +45,7 @@ from eagle3_assets.lib.shard_format import (
     dequantize_fp8,
     quantize_fp8,
 )
-from eagle3_assets.lib.token_sequences import TokenSequence, build_sequences
+from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence, build_sequences
 from eagle3_assets.localdev.world import build_world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,9 +215,10 @@ import json, resource, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from benchmarks.hidden_states_extraction import synthetic_sequences
-from eagle3_assets.lib.hidden_capture import HFTarget
-from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
-from eagle3_assets.lib.shard_format import ShardFormat
+from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+from eagle3_assets.lib.hidden_states.extract import (
+    ExtractionSettings, LayerSelection, extract_batch)
+from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
 layers = LayerSelection((2, 4, 5), 8, "benchmark")
 sequences = synthetic_sequences(int(sys.argv[3]), 2048, seed=1)
 extract_batch(

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from drafter_training import KIMI_LAYER, step_flops
 
-from eagle3_assets.lib.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE, ShardFormat
+from eagle3_assets.lib.hidden_states.shard_format import (
+    KIMI_AUX_LAYERS,
+    KIMI_HIDDEN_SIZE,
+    ShardFormat,
+)
 
 SAMPLES, SAMPLE_TOKENS, TEACHER_SHARE = 25_000, 4096, 0.8  # DESIGN.md's run (upper bound)
 VOLUME_BYTES = 2.9e12

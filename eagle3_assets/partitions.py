@@ -3,7 +3,7 @@ same sample batches, registered as the prompt pool grows."""
 
 import dagster as dg
 
-from eagle3_assets.lib.conversations import batch_key
+from eagle3_assets.lib.generation.conversations import batch_key
 
 sample_batches = dg.DynamicPartitionsDefinition(name="sample_batches")
 

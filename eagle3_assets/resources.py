@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, TypeVar
 
 import dagster as dg
 
-from eagle3_assets.lib.conversations import (
+from eagle3_assets.lib.core.hub_files import local_file
+from eagle3_assets.lib.generation.conversations import (
     Conversation,
     batch_slice,
     load_conversations,
     parse_batch_key,
 )
-from eagle3_assets.lib.hub_files import local_file
-from eagle3_assets.lib.vllm_launcher import API_KEY_ENV, VLLMLaunchSpec
-from eagle3_assets.lib.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
+from eagle3_assets.lib.serving.vllm_launcher import API_KEY_ENV, VLLMLaunchSpec
+from eagle3_assets.lib.serving.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
-    from eagle3_assets.lib.drafter_checkpoint import TargetShape
-    from eagle3_assets.lib.evaluation import EvaluationSettings
-    from eagle3_assets.lib.generation import GenerationConfig
-    from eagle3_assets.lib.hidden_states import ExtractionSettings
+    from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
+    from eagle3_assets.lib.evaluation.evaluate import EvaluationSettings
+    from eagle3_assets.lib.generation.chat_client import GenerationConfig
+    from eagle3_assets.lib.hidden_states.extract import ExtractionSettings
 
 T = TypeVar("T")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -67,7 +67,7 @@ class TargetModel(dg.ConfigurableResource):
     trust_remote_code: bool = False  # Kimi's tokenizer needs it; only when the user says so
 
     def shape(self) -> TargetShape:
-        from eagle3_assets.lib.drafter_checkpoint import TargetShape
+        from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
 
         return TargetShape.from_config(Path(self.path))
 
@@ -94,8 +94,8 @@ class HiddenStatesRecipe(dg.ConfigurableResource):
 
     def settings(self) -> ExtractionSettings:
         """Validated, so a bad setting fails before any forward."""
-        from eagle3_assets.lib.hidden_states import ExtractionSettings
-        from eagle3_assets.lib.shard_format import ShardFormat
+        from eagle3_assets.lib.hidden_states.extract import ExtractionSettings
+        from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
 
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend: expected hf or vllm, found {self.backend!r}")
@@ -157,7 +157,7 @@ class GenerationRecipe(dg.ConfigurableResource):
     max_truncated_rate: float = 0.25
 
     def config(self) -> GenerationConfig:
-        from eagle3_assets.lib.generation import GenerationConfig
+        from eagle3_assets.lib.generation.chat_client import GenerationConfig
 
         return GenerationConfig(
             max_tokens=self.max_tokens,
@@ -171,7 +171,7 @@ class GenerationRecipe(dg.ConfigurableResource):
 
 
 class TrainingRecipe(dg.ConfigurableResource):
-    """How the drafter is finetuned (lib/train_drafter.RunConfig); defaults for continued
+    """How the drafter is finetuned (lib/training/train_drafter.RunConfig); defaults for continued
     training from a warm start (use lr ~1e-4 from scratch)."""
 
     steps: int = 1000
@@ -215,7 +215,7 @@ class TrainingLauncher(dg.ConfigurableResource):
 
     def k8s_run_args(self, command: list[str], gpus: int, data_root: str, working_dir: str) -> dict:
         """The arguments PipesK8sClient.run gets besides the context: offline, so testable."""
-        from eagle3_assets.lib.k8s_pod import TRAINING_LABELS, training_pod_spec
+        from eagle3_assets.lib.training.k8s_pod import TRAINING_LABELS, training_pod_spec
 
         if not (self.image and self.data_claim):
             raise ValueError("the k8s training launcher needs an image and a data volume claim")
@@ -288,7 +288,7 @@ class EvaluationRecipe(dg.ConfigurableResource):
     def launch_spec(
         self, target: TargetModel, run_dir: Path, served_model_name: str
     ) -> VLLMLaunchSpec:
-        """The plain server every contender starts from (lib/evaluation adds the drafter)."""
+        """The plain server every contender starts from (lib.evaluation adds the drafter)."""
         return VLLMLaunchSpec(
             model=target.path,
             python=Path(self.serving_python),
@@ -304,7 +304,7 @@ class EvaluationRecipe(dg.ConfigurableResource):
         )
 
     def settings(self) -> EvaluationSettings:
-        from eagle3_assets.lib.evaluation import EvaluationSettings
+        from eagle3_assets.lib.evaluation.evaluate import EvaluationSettings
 
         return EvaluationSettings(
             max_tokens=self.max_tokens,

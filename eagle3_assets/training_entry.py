@@ -9,8 +9,8 @@ from pathlib import Path
 
 from dagster_pipes import PipesContext, open_dagster_pipes
 
-from eagle3_assets.lib.charts import line_chart_svg, markdown_image
-from eagle3_assets.lib.train_drafter import (
+from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
+from eagle3_assets.lib.training.train_drafter import (
     Interrupted,
     RunConfig,
     distributed,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.lib.vllm_launcher import VLLMLaunchSpec, start, stop, wait_ready
+from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, start, stop, wait_ready
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env, miniature_server
 from eagle3_assets.localdev.hub import publish_local_drafter
 from eagle3_assets.localdev.world import World, build_world

@@ -20,14 +20,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_assets.lib.vllm_launcher import (
+from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
     VLLMLaunchSpec,
     log_tail,
     start,
     terminate_group,
 )
-from eagle3_assets.lib.vllm_probe import probe
+from eagle3_assets.lib.serving.vllm_probe import probe
 from eagle3_assets.localdev.hub import LOCAL_DRAFTER_REPO, publish_local_drafter
 from eagle3_assets.localdev.world import build_world
 

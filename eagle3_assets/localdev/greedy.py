@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3_assets.lib.conversations import load_conversations
-from eagle3_assets.lib.token_sequences import render_prompt_ids
+from eagle3_assets.lib.generation.conversations import load_conversations
+from eagle3_assets.lib.hidden_states.token_sequences import render_prompt_ids
 
 BATCH = 16  # prompts per generate call, left-padded
 

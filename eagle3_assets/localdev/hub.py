@@ -20,7 +20,7 @@ from huggingface_hub.file_download import repo_folder_name
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from eagle3_assets.lib.layer_ids import default_aux_layers, vllm_to_sglang
+from eagle3_assets.lib.core.layer_ids import default_aux_layers, vllm_to_sglang
 from eagle3_assets.localdev.world import World
 
 # Target config fields the drafter's single decoder layer shares, when the target has them.
@@ -161,11 +161,15 @@ def train_world_drafter(world: World, draft_vocab_size: int, steps: int = 100) -
     and vocab size (in a temp dir renamed into place), so republishing is a no-op."""
     from transformers import AutoTokenizer
 
-    from eagle3_assets.lib.hidden_capture import HFTarget
-    from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
-    from eagle3_assets.lib.shard_format import ShardFormat
-    from eagle3_assets.lib.token_sequences import build_sequences
-    from eagle3_assets.lib.train_drafter import RunConfig, train
+    from eagle3_assets.lib.hidden_states.extract import (
+        ExtractionSettings,
+        LayerSelection,
+        extract_batch,
+    )
+    from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+    from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
+    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+    from eagle3_assets.lib.training.train_drafter import RunConfig, train
     from eagle3_assets.localdev.greedy import greedy_generation_rows
 
     out_dir = world.root / f"k2-drafter-{draft_vocab_size}-v{DRAFTER_RECIPE_VERSION}"

@@ -15,7 +15,8 @@ Load it with ``--kv-transfer-config '{"kv_connector": "CpuHiddenStatesConnector"
 "kv_connector_module_path": "cpu_hidden_states_connector", "kv_role": "kv_producer",
 "kv_connector_extra_config": {"shared_storage_path": DIR}}'`` and this folder (only this
 folder: nothing of the project may shadow vLLM's packages) on the server's PYTHONPATH, as
-`lib/vllm_hidden_states` does. The project venv has no vllm: nothing else imports this module.
+`lib/hidden_states/vllm_backend` does. The project venv has no vllm: nothing else imports
+this module.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 from dagster._serdes import serialize_value
 
-from eagle3_assets.lib.vllm_launcher import API_KEY_ENV
+from eagle3_assets.lib.serving.vllm_launcher import API_KEY_ENV
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
 from eagle3_assets.resources import HF_TOKEN_ENV
 from eagle3_assets_tests.conftest import REPO, free_port

@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import Locator, Page, expect
 
 from eagle3_assets.definitions import defs
-from eagle3_assets.lib.conversations import batch_key
+from eagle3_assets.lib.generation.conversations import batch_key
 from eagle3_assets_tests.ui.conftest import ARTIFACTS, DagsterUI
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ui]

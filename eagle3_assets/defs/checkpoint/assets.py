@@ -15,7 +15,7 @@ def drafter_checkpoint(
 ) -> dg.MaterializeResult:
     """The drafter to finetune: config and safetensors only (a pickle is never fetched), checked
     against the served target's shape, so a wrong download fails here and not hours later."""
-    from eagle3_assets.lib.drafter_checkpoint import download_drafter, validate_drafter
+    from eagle3_assets.lib.checkpoint.drafter_checkpoint import download_drafter, validate_drafter
 
     path, revision = download_drafter(
         drafter_hub.repo_id,

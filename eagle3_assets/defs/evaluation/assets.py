@@ -12,7 +12,7 @@ from eagle3_assets.defs.training.assets import eagle3_drafter
 from eagle3_assets.resources import EvaluationRecipe, Storage, TargetModel, VLLMServer
 
 if TYPE_CHECKING:
-    from eagle3_assets.lib.train_drafter import RunConfig
+    from eagle3_assets.lib.training.train_drafter import RunConfig
 
 BEATS_WARM_START = "beats_warm_start"
 WARM_START, FINETUNED = "warm start", "finetuned"
@@ -45,8 +45,8 @@ def drafter_evaluation(
     """Acceptance before (warm start) and after (finetuned) in the serving engine, the speedup
     over the target alone, and the training-time accuracy of both on held-out shards. Each
     measurement is kept as it is taken: a re-run starts servers only for what is missing."""
-    from eagle3_assets.lib.drafter_io import export_for_vllm
-    from eagle3_assets.lib.evaluation import (
+    from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
+    from eagle3_assets.lib.evaluation.evaluate import (
         BASELINE,
         Contender,
         comparison_table,
@@ -55,8 +55,8 @@ def drafter_evaluation(
         speedup,
         verdict,
     )
-    from eagle3_assets.lib.hidden_states import read_manifest
-    from eagle3_assets.lib.train_drafter import RunConfig
+    from eagle3_assets.lib.hidden_states.extract import read_manifest
+    from eagle3_assets.lib.training.train_drafter import RunConfig
 
     finetuned = _finetuned_export(context)
     layers = target.shape().num_hidden_layers
@@ -140,7 +140,7 @@ def _offline_accuracy(
 ) -> str:
     """Markdown: per-position TTT accuracy of both drafters on the samples the training run
     held out, labelled as what it is."""
-    from eagle3_assets.lib.train_drafter import LayerMismatch, heldout_accuracy
+    from eagle3_assets.lib.training.train_drafter import LayerMismatch, heldout_accuracy
 
     try:
         rows = {

@@ -36,7 +36,7 @@ def synthetic_generations(
     missing; the final Parquet appears only when every prompt has its row."""
     import pyarrow.parquet as pq
 
-    from eagle3_assets.lib.generation import run_batch
+    from eagle3_assets.lib.generation.batch import run_batch
 
     batch = prompt_pool.batch(context.partition_key)
     if not batch:

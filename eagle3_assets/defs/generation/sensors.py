@@ -5,7 +5,7 @@ import os
 import dagster as dg
 
 from eagle3_assets.defs.serving.sensors import server_ready
-from eagle3_assets.lib.conversations import batch_key
+from eagle3_assets.lib.generation.conversations import batch_key
 from eagle3_assets.partitions import pending_batches, sample_batches
 from eagle3_assets.resources import PromptPool
 

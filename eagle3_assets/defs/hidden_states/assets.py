@@ -13,7 +13,7 @@ from eagle3_assets.partitions import sample_batches
 from eagle3_assets.resources import GenerationRecipe, HiddenStatesRecipe, Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
-    from eagle3_assets.lib.hidden_states import BatchVerification, LayerSelection
+    from eagle3_assets.lib.hidden_states.extract import BatchVerification, LayerSelection
 
 COMPLETE = "manifest_complete"
 FINITE = "values_finite"
@@ -47,10 +47,10 @@ def hidden_states(
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from eagle3_assets.lib.generation_store import FINAL_NAME
-    from eagle3_assets.lib.hidden_states import extract_batch, human_bytes, verify_batch
-    from eagle3_assets.lib.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
-    from eagle3_assets.lib.token_sequences import build_sequences
+    from eagle3_assets.lib.generation.store import FINAL_NAME
+    from eagle3_assets.lib.hidden_states.extract import extract_batch, human_bytes, verify_batch
+    from eagle3_assets.lib.hidden_states.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
+    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
 
     key = context.partition_key
     settings = hidden.settings()  # a bad setting fails here, before any reading
@@ -124,8 +124,8 @@ def hidden_states(
 
 def _drafter_layers(drafter_dir: Path, num_layers: int) -> "LayerSelection":
     """The warm-start drafter's aux ids (either convention, declared by its config)."""
-    from eagle3_assets.lib.hidden_states import LayerSelection
-    from eagle3_assets.lib.layer_ids import aux_layer_ids
+    from eagle3_assets.lib.core.layer_ids import aux_layer_ids
+    from eagle3_assets.lib.hidden_states.extract import LayerSelection
 
     config = drafter_dir / "config.json"
     if not config.exists():
@@ -143,14 +143,14 @@ def _open_source(
 ) -> AbstractContextManager:
     """The configured backend, loaded only when a shard is missing."""
     if hidden.backend == "hf":
-        from eagle3_assets.lib.hidden_capture import HFTarget
+        from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
 
         return HFTarget(
             Path(target.path), layer_ids, hidden.dtype, hidden.device, target.trust_remote_code
         )
-    from eagle3_assets.lib.hidden_capture import resolve_device
-    from eagle3_assets.lib.vllm_hidden_states import extraction_server
-    from eagle3_assets.lib.vllm_launcher import VLLMLaunchSpec
+    from eagle3_assets.lib.hidden_states.hf_backend import resolve_device
+    from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
+    from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 
     cpu = resolve_device(hidden.device) == "cpu"
     serving = VLLMLaunchSpec(

@@ -7,7 +7,7 @@ import time
 
 import dagster as dg
 
-from eagle3_assets.lib.vllm_probe import Readiness, ServerState, advance, worth_recording
+from eagle3_assets.lib.serving.vllm_probe import Readiness, ServerState, advance, worth_recording
 from eagle3_assets.partitions import next_batch, sample_batches
 from eagle3_assets.resources import VLLMServer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
-from eagle3_assets.lib.torchrun import torchrun_command
+from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.resources import Storage, TargetModel, TrainingLauncher, TrainingRecipe
 
 

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eagle3_assets.definitions import defs
-from eagle3_assets.lib.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_drafter
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
 from eagle3_assets_tests.conftest import free_port
 

@@ -9,7 +9,7 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.defs.serving.sensors import vllm_readiness_sensor
-from eagle3_assets.lib.vllm_launcher import group_members, start, stop, wait_ready
+from eagle3_assets.lib.serving.vllm_launcher import group_members, start, stop, wait_ready
 from eagle3_assets.localdev.demo import (
     SERVED_TARGET_NAME,
     follow_launch,

@@ -14,12 +14,16 @@ import dagster as dg
 from transformers import AutoTokenizer
 
 from eagle3_assets.defs.training.assets import eagle3_drafter
-from eagle3_assets.lib.hidden_capture import HFTarget
-from eagle3_assets.lib.hidden_states import ExtractionSettings, LayerSelection, extract_batch
-from eagle3_assets.lib.layer_ids import default_aux_layers
-from eagle3_assets.lib.shard_format import ShardFormat
-from eagle3_assets.lib.token_sequences import build_sequences
-from eagle3_assets.lib.torchrun import torchrun_command
+from eagle3_assets.lib.core.layer_ids import default_aux_layers
+from eagle3_assets.lib.hidden_states.extract import (
+    ExtractionSettings,
+    LayerSelection,
+    extract_batch,
+)
+from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
+from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import make_untrained_drafter
 from eagle3_assets.resources import resources_from_env

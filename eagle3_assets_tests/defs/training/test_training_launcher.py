@@ -5,8 +5,8 @@ and the environment variables that choose and configure it."""
 import pytest
 from dagster_k8s.pipes import build_pod_body
 
-from eagle3_assets.lib.k8s_pod import training_pod_spec
-from eagle3_assets.lib.torchrun import torchrun_command
+from eagle3_assets.lib.training.k8s_pod import training_pod_spec
+from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.resources import TrainingLauncher, resources_from_env
 
 ENV = {

@@ -1,0 +1,1 @@
+"""The drafter checkpoint: download, the one reader and validator, the vLLM export."""

@@ -1,0 +1,1 @@
+"""Pieces several domains share: layer ids, the target's shape, atomic files, hub paths, charts."""

@@ -1,0 +1,1 @@
+"""Acceptance measured in vLLM, before and after."""

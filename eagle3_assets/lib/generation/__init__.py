@@ -1,0 +1,1 @@
+"""Synthetic generations: the prompt pool, the chat client, resumable batches."""

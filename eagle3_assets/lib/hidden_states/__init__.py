@@ -1,0 +1,1 @@
+"""Hidden states: exact token sequences, the two extraction backends, shards."""

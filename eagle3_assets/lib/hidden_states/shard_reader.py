@@ -1,0 +1,113 @@
+"""Stream training samples out of hidden-state shards with bounded memory.
+
+Terabytes of shards never fit in RAM: shards are memory-mapped and a sample is read only when
+it is yielded, so memory holds one sample plus a few open files however many batches there
+are. Shuffling is two-level, as for any dataset larger than memory: the shard order is
+permuted per epoch, then a buffer of sample *indices* shuffles within a window. Under DDP each
+rank takes every world_size-th sample of the same global order (the tail that does not divide
+evenly is dropped, so ranks take the same number of steps). The order is a pure function of
+(seed, epoch, rank), so a resumed trainer skips `start` samples and sees exactly what an
+uninterrupted one would. `select` keeps samples by id: training and its held-out split read
+the same shards and never share a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from eagle3_assets.lib.hidden_states.extract import read_manifest
+from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile
+
+
+class ShardReader:
+    def __init__(
+        self,
+        batch_dirs: Sequence[Path],
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 64,
+        dtype: torch.dtype = torch.float32,
+        open_files: int = 4,
+        select: Callable[[str], bool] = lambda sample_id: True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), found {rank}")
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle_buffer, self.dtype, self.open_files = shuffle_buffer, dtype, open_files
+        self.shards: list[tuple[Path, list[int]]] = []  # (path, indices of selected samples)
+        layer_ids = None
+        for batch_dir in batch_dirs:
+            manifest = read_manifest(Path(batch_dir))
+            ids = manifest["layer_ids"]
+            if layer_ids is not None and ids != layer_ids:
+                raise ValueError(
+                    f"{batch_dir}: layer ids {ids} differ from the first batch's {layer_ids}; "
+                    "every batch must be extracted at the drafter's layers"
+                )
+            layer_ids = ids
+            for name, entry in manifest["shards"].items():
+                chosen = [i for i, sample_id in enumerate(entry["samples"]) if select(sample_id)]
+                if chosen:
+                    self.shards.append((Path(batch_dir) / name, chosen))
+        if layer_ids is None:
+            raise ValueError("no hidden-state batches to read")
+        self.layer_ids: dict = layer_ids
+        self._files: OrderedDict[Path, ShardFile] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch."""
+        return sum(len(chosen) for _, chosen in self.shards) // self.world_size
+
+    def order(self, epoch: int) -> list[tuple[int, int]]:
+        """This rank's (shard, sample) indices for `epoch`, in reading order."""
+        shards = list(range(len(self.shards)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(shards)
+        stream = [(s, i) for s in shards for i in self.shards[s][1]]
+        mine = stream[self.rank : len(self) * self.world_size : self.world_size]
+        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}")
+        buffer: list[tuple[int, int]] = []
+        shuffled = []
+        for item in mine:
+            buffer.append(item)
+            if len(buffer) >= self.shuffle_buffer:
+                shuffled.append(buffer.pop(rng.randrange(len(buffer))))
+        rng.shuffle(buffer)
+        return shuffled + buffer
+
+    def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
+        """This rank's samples of `epoch`, from its `start`-th on."""
+        for shard, index in self.order(epoch)[start:]:
+            yield self._file(self.shards[shard][0]).sample(index, self.dtype)
+
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each target token is a response token, over every shard (ids and masks
+        only: the states are not read)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for path, _ in self.shards:
+            shard = self._file(path)
+            ids, mask = shard.tensor("input_ids").long(), shard.tensor("loss_mask")
+            counts += torch.bincount(ids[mask], minlength=vocab_size)
+        return counts
+
+    def _file(self, path: Path) -> ShardFile:
+        if path in self._files:
+            self._files.move_to_end(path)
+        else:
+            self._files[path] = ShardFile(path)
+            if len(self._files) > self.open_files:
+                self._files.popitem(last=False)
+        return self._files[path]
+
+
+def held_out(sample_id: str, fraction: float) -> bool:
+    """Whether a sample belongs to the held-out split: a stable function of its id alone, so
+    the split holds across runs, batches and ranks."""
+    digest = hashlib.sha256(sample_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64

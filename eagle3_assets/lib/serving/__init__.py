@@ -1,0 +1,1 @@
+"""Starting, stopping and probing vLLM servers."""

@@ -1,0 +1,460 @@
+"""One training run of an EAGLE-3 drafter: warm start, shards in, checkpoints and a vLLM
+export out; resumable, interruptible, data-parallel.
+
+- Resume is exact: model, AdamW moments, schedule, step and each rank's data position (the
+  order is a function of seed and epoch; nothing else is random) go into an atomic
+  checkpoint (a directory renamed into place, then `latest` rewritten), all tensors in
+  safetensors, scalars in JSON: nothing is ever unpickled.
+- fp32 master weights and AdamW state; bf16 autocast on GPUs, fp32 on the CPU.
+- SIGINT/SIGTERM (a Dagster cancel) finish the current step, checkpoint and exit with
+  `Interrupted`; the next run continues from there.
+- Under torchrun every rank reads its own slice of the same sample order and gradients are
+  averaged across ranks (gloo on CPU, NCCL on GPUs); rank 0 reports and writes.
+- A stable `holdout_fraction` of the samples (by id) is never trained on: `heldout_accuracy`
+  measures any drafter on it, the offline view for users without a free serving GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
+from eagle3_assets.lib.checkpoint.drafter_io import (
+    check_fits_target,
+    read_drafter,
+    write_vllm_drafter,
+)
+from eagle3_assets.lib.hidden_states.shard_format import write_atomically
+from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
+from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
+from eagle3_assets.lib.training.ttt import (
+    TargetHead,
+    cosine_with_warmup,
+    derive_vocab_maps,
+    make_batch,
+    remap_lm_head,
+    ttt_loss,
+)
+
+LATEST = "latest"
+
+
+class Interrupted(RuntimeError):
+    """A signal stopped training after a checkpoint was written."""
+
+
+class LayerMismatch(ValueError):
+    """The drafter reads other target layers than the hidden states hold."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    batch_dirs: list[str]
+    warm_start: str | None  # a drafter directory (SpecForge or speculators); None: scratch
+    target: str  # the target's folder: config.json and safetensors (norm, lm_head, embed)
+    out_dir: str
+    steps: int
+    batch_size: int = 4  # samples per rank per step
+    ttt_length: int = 7
+    decay: float = 0.8
+    lr: float = 2e-5  # continued training; ~1e-4 from scratch
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    checkpoint_every: int = 100
+    shuffle_buffer: int = 64
+    seed: int = 0
+    rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
+    draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
+    holdout_fraction: float = 0.02  # samples (by id) kept out of training for heldout_accuracy
+
+    @classmethod
+    def from_json(cls, path: Path) -> RunConfig:
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # samples this rank consumed in the epoch
+    tokens: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    steps: int
+    tokens: int
+    seconds: float
+    history: list[dict]
+    checkpoint: Path
+    export: Path
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _drafter(
+    config: RunConfig, head: TargetHead, reader: ShardReader
+) -> tuple[Eagle3Drafter, tuple[int, ...]]:
+    """The model to train and its aux ids: the warm start (its d2t/t2d kept unless the run
+    re-derives them, lm_head rows following their tokens), or, without one, a fresh drafter
+    shaped like the target at the layers the shards hold, its vocab from their responses."""
+    target = json.loads((Path(config.target) / "config.json").read_text())
+    target = target.get("text_config", target)
+    if config.warm_start is None:
+        model = Eagle3Drafter(scratch_config(target, config.draft_vocab_size), head.embed)
+        d2t, t2d = derive_vocab_maps(
+            reader.response_token_counts(model.config.vocab_size), model.config.draft_vocab_size
+        )
+        model.d2t.copy_(d2t)
+        model.t2d.copy_(t2d)
+        return model, tuple(reader.layer_ids["aux"])
+    return load_drafter(
+        Path(config.warm_start), head, reader, target["num_hidden_layers"], config.rederive_vocab
+    )
+
+
+def load_drafter(
+    path: Path,
+    head: TargetHead,
+    reader: ShardReader,
+    target_num_layers: int,
+    rederive_vocab: bool = False,
+) -> tuple[Eagle3Drafter, tuple[int, ...]]:
+    """A saved drafter (SpecForge, speculators or our export) that fits the target and reads
+    the layers the shards hold."""
+    checkpoint = read_drafter(path, target_num_layers)
+    check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
+    aux_ids = checkpoint.aux_layer_ids.fc_order
+    if list(aux_ids) != reader.layer_ids["aux"]:
+        raise LayerMismatch(
+            f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
+            f"at {path} reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
+        )
+    tensors = dict(checkpoint.tensors)
+    if rederive_vocab:  # every rank counts every shard: the same maps everywhere
+        counts = reader.response_token_counts(checkpoint.config.vocab_size)
+        d2t, t2d = derive_vocab_maps(counts, checkpoint.config.draft_vocab_size)
+        tensors["lm_head.weight"] = remap_lm_head(tensors["lm_head.weight"], tensors["d2t"], d2t)
+        tensors["d2t"], tensors["t2d"] = d2t, t2d
+    model = Eagle3Drafter(checkpoint.config, head.embed)
+    model.load_state_dict(tensors)
+    return model, aux_ids
+
+
+def _device() -> torch.device:
+    """This rank's GPU under torchrun (LOCAL_RANK), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _samples(reader: ShardReader, progress: Progress) -> Iterator:
+    """Endless samples from the progress's (epoch, position) on, advancing it."""
+    while True:
+        for sample in reader.samples(progress.epoch, progress.position):
+            progress.position += 1
+            yield sample
+        progress.epoch, progress.position = progress.epoch + 1, 0
+
+
+class _StopFlag:
+    """Turns SIGINT/SIGTERM into a flag checked between steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    def anywhere(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was signalled: ranks get the signal at slightly different points
+        of a step, and all must stop after the same step or their collectives deadlock."""
+        if world == 1:
+            return self.signal is not None
+        flag = torch.tensor([0 if self.signal is None else 1], device=device)  # NCCL: on GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def train(
+    config: RunConfig, report: Callable[[dict], None] = lambda metrics: None
+) -> TrainingResult:
+    rank, world = _rank()
+    device = _device()
+    torch.manual_seed(config.seed)
+    head = TargetHead(Path(config.target)).to(device)
+    reader = ShardReader(
+        [Path(d) for d in config.batch_dirs],
+        seed=config.seed,
+        rank=rank,
+        world_size=world,
+        shuffle_buffer=config.shuffle_buffer,
+        select=lambda sample_id: not held_out(sample_id, config.holdout_fraction),
+    )
+    model, aux_ids = _drafter(config, head, reader)
+    model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
+    if len(reader) < config.batch_size:
+        raise ValueError(
+            f"{len(reader)} samples per rank, fewer than batch_size {config.batch_size}"
+        )
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+    )
+    warmup = max(1, round(config.warmup_ratio * config.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_with_warmup(step, config.steps, warmup)
+    )
+    out_dir = Path(config.out_dir)
+    progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
+    samples = _samples(reader, progress)
+    stop = _StopFlag()
+    started = time.monotonic()
+    try:
+        while progress.step < config.steps:
+            batch_samples = [next(samples) for _ in range(config.batch_size)]
+            batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                loss, losses, hits, counts = ttt_loss(model, batch, config.ttt_length, config.decay)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            losses = [float(loss.detach()), *losses]
+            if world > 1:  # losses: the mean of the ranks' means; hits and counts: sums
+                for p in parameters:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                summed = torch.tensor([*losses, *hits, *counts], device=device)
+                dist.all_reduce(summed)
+                summed = summed.tolist()
+                steps = config.ttt_length
+                losses = [value / world for value in summed[: 1 + steps]]
+                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps :]
+            loss_value, losses = losses[0], losses[1:]
+            accuracies = [h / max(c, 1) for h, c in zip(hits, counts, strict=True)]
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+            optimizer.step()
+            schedule.step()
+            progress.step += 1
+            tokens = sum(len(s.input_ids) for s in batch_samples) * world
+            progress.tokens += tokens
+            metrics = {
+                "step": progress.step,
+                "loss": loss_value,
+                "step_losses": losses,
+                "accuracy": accuracies,
+                "grad_norm": float(grad_norm),
+                "lr": schedule.get_last_lr()[0],
+                "tokens": progress.tokens,
+                "tokens_per_s": progress.tokens / (time.monotonic() - started),
+            }
+            progress.history.append(metrics)
+            if rank == 0:
+                report(metrics)
+            interrupted = stop.anywhere(world, device)
+            if interrupted or progress.step % config.checkpoint_every == 0:
+                _save(out_dir, rank, model, optimizer, schedule, progress)
+            if interrupted:
+                raise Interrupted(
+                    f"signal {stop.signal}: checkpoint at step {progress.step} in {out_dir}"
+                )
+    finally:
+        stop.restore()
+    last = _save(out_dir, rank, model, optimizer, schedule, progress)
+    export = out_dir / "export"
+    if rank == 0:
+        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids)
+    return TrainingResult(
+        progress.step,
+        progress.tokens,
+        time.monotonic() - started,
+        progress.history,
+        last,
+        export,
+    )
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    drafter: Path,
+    target: Path,
+    batch_dirs: list[str],
+    holdout_fraction: float,
+    ttt_length: int,
+    batch_size: int = 8,
+) -> dict:
+    """Per-position TTT accuracy of a saved drafter on the held-out samples of the shards:
+    the training-time view of a drafter (teacher-forced on the target's own states), not
+    acceptance in a serving engine. {"samples", "tokens", "accuracy": [...]} (None: no
+    held-out sample)."""
+    device = _device()
+    head = TargetHead(target).to(device)
+    reader = ShardReader(
+        [Path(d) for d in batch_dirs],
+        shuffle_buffer=1,
+        select=lambda sample_id: held_out(sample_id, holdout_fraction),
+    )
+    layers = TargetShape.from_config(target).num_hidden_layers
+    model, _ = load_drafter(drafter, head, reader, layers)
+    model.float().to(device).eval()
+    hits, counts = [0] * ttt_length, [0] * ttt_length
+    samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
+    while chunk := list(itertools.islice(samples, batch_size)):
+        batch = make_batch(chunk, head, model.t2d, ttt_length)
+        _, _, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
+        hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
+        counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]
+    return {
+        "samples": len(reader),
+        "tokens": counts[0],
+        "accuracy": [h / c for h, c in zip(hits, counts, strict=True)] if counts[0] else None,
+    }
+
+
+def _save(out_dir: Path, rank: int, model, optimizer, schedule, progress: Progress) -> Path:
+    """checkpoints/step-N/ with rank 0's model and optimizer and every rank's data position;
+    a directory renamed into place, then `latest` rewritten: never half a checkpoint."""
+    checkpoints = out_dir / "checkpoints"
+    final = checkpoints / f"step-{progress.step:07d}"
+    rank_state = {"epoch": progress.epoch, "position": progress.position}
+    if dist.is_available() and dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rank_state)
+    else:
+        gathered = [rank_state]
+    if rank == 0 and not (final / "state.json").exists():
+        staging = checkpoints / f".staging-{progress.step:07d}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()},
+            staging / "model.safetensors",
+        )
+        save_file(_optimizer_tensors(optimizer), staging / "optimizer.safetensors")
+        state = {
+            "step": progress.step,
+            "tokens": progress.tokens,
+            "schedule": schedule.state_dict()["last_epoch"],
+            "ranks": gathered,
+            "history": progress.history,
+        }
+        (staging / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        write_atomically(checkpoints / LATEST, final.name.encode())
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            tensors[f"{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    return tensors
+
+
+def _resume(out_dir: Path, rank: int, model, optimizer, schedule) -> Progress | None:
+    latest = out_dir / "checkpoints" / LATEST
+    if not latest.exists():
+        return None
+    directory = latest.parent / latest.read_text().strip()
+    state = json.loads((directory / "state.json").read_text())
+    model.load_state_dict(load_file(directory / "model.safetensors"))
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(directory / "optimizer.safetensors").items():
+        index, name = key.split(".", 1)
+        moments.setdefault(int(index), {})[name] = value
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = moments
+    optimizer.load_state_dict(optimizer_state)
+    schedule.last_epoch = state["schedule"]
+    for group, lr in zip(optimizer.param_groups, schedule.get_lr(), strict=True):
+        group["lr"] = lr
+    mine = state["ranks"][rank]
+    return Progress(
+        step=state["step"],
+        epoch=mine["epoch"],
+        position=mine["position"],
+        tokens=state["tokens"],
+        history=state["history"],
+    )
+
+
+@contextmanager
+def distributed() -> Iterator[None]:
+    """The process group when torchrun started several ranks (gloo on CPU, NCCL on GPUs)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def training_metadata(config: RunConfig, result: TrainingResult) -> dict:
+    """What the finished run reports: numbers a user compares across runs."""
+    last = result.history[-1] if result.history else {}
+    return {
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 1),
+        "tokens_per_s": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
+        "final_loss": round(last.get("loss", float("nan")), 4),
+        "final_accuracy_by_position": [round(a, 4) for a in last.get("accuracy", [])],
+        "loss_curve": [round(m["loss"], 4) for m in result.history],
+        "checkpoint": str(result.checkpoint),
+        "export": str(result.export),
+        "serve_with": json.dumps(
+            {"method": "eagle3", "model": str(result.export), "num_speculative_tokens": 3}
+        ),
+        "lr": config.lr,
+        "ttt_length": config.ttt_length,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`torchrun ... -m eagle3_assets.lib.training.train_drafter RUN.json`: one process per rank,
+    metrics as JSON lines on rank 0's stdout."""
+    args = sys.argv[1:] if argv is None else argv
+    config = RunConfig.from_json(Path(args[0]))
+    with distributed():
+        try:
+            result = train(config, report=lambda m: print(json.dumps(m), flush=True))
+        except Interrupted as stopped:
+            print(str(stopped), flush=True)
+            return 130
+    print(json.dumps({"done": training_metadata(config, result)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+import json
+import os
+import shlex
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.lib.serving import vllm_launcher
+from eagle3_assets.lib.serving.vllm_launcher import (
+    LaunchError,
+    VLLMLaunchSpec,
+    build_command,
+    build_env,
+    group_members,
+    start,
+    stop,
+)
+from eagle3_assets_tests.conftest import free_port
+
+# Plays a vLLM API server: records how it was started, spawns "workers", and (like a
+# wedged engine) ignores SIGTERM, so only the group SIGKILL can end it.
+FAKE_SERVER = """#!/bin/bash
+echo "$PATH" > path.txt
+echo "$@" > argv.txt
+env | sort > env.txt
+trap '' TERM
+sleep 600 &
+sleep 600 &
+bash -c 'sleep 600' &
+wait
+"""
+
+# The vllm#55510 shape: the API server obeys SIGTERM, its worker does not.
+WORKER_OUTLIVES_SERVER = """#!/bin/bash
+bash -c "trap '' TERM; sleep 600" &
+exec sleep 600
+"""
+
+
+def fake_venv(tmp_path: Path, script: str) -> Path:
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(script)
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("script", [FAKE_SERVER, WORKER_OUTLIVES_SERVER])
+def test_stop_leaves_no_process_in_the_group(tmp_path, script):
+    spec = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, script), run_dir=tmp_path / "run", port=free_port()
+    )
+    pgid = start(spec)
+    assert spec.pid_file.read_text().strip() == str(pgid)
+    wait_for(lambda: len(group_members(pgid)) >= 2)
+    assert os.getpgid(pgid) == pgid != os.getpgid(0)  # its own group, not ours
+
+    started = time.monotonic()
+    assert stop(spec.run_dir, grace_s=1.0) is True
+    assert group_members(pgid) == []
+    assert time.monotonic() - started < 10
+    assert not spec.pid_file.exists()
+    assert stop(spec.run_dir) is False  # idempotent
+
+
+def test_child_gets_absolute_python_venv_path_and_no_key_on_argv(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-secret-for-test")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    spec = VLLMLaunchSpec(
+        model="/models/target",
+        python=Path("venv/bin/python"),  # relative on purpose
+        run_dir=tmp_path / "run",
+        port=free_port(),
+        engine_ready_timeout_s=1500,
+    )
+    fake_venv(tmp_path, FAKE_SERVER)
+    start(spec)
+    try:
+        wait_for(lambda: (spec.run_dir / "env.txt").exists())
+        wait_for(lambda: "VLLM_ENGINE" in (spec.run_dir / "env.txt").read_text())
+        path = (spec.run_dir / "path.txt").read_text().strip()
+        env = (spec.run_dir / "env.txt").read_text()
+        argv = json.loads((spec.run_dir / "launch.json").read_text())["argv"]
+    finally:
+        stop(spec.run_dir, grace_s=0.5)
+    assert path.split(":")[0] == str(tmp_path / "venv" / "bin")
+    assert argv[0] == str(tmp_path / "venv" / "bin" / "python")
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=1500" in env.splitlines()
+    assert "VLLM_API_KEY=sk-secret-for-test" in env.splitlines()  # reaches vLLM by env...
+    assert "sk-secret" not in " ".join(argv)  # ...never by argv (visible in ps and logs)
+    assert "sk-secret" not in (spec.run_dir / "server.log").read_text()
+
+
+def test_second_start_on_a_busy_port_is_refused(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        spec = VLLMLaunchSpec(
+            model="m", python=fake_venv(tmp_path, FAKE_SERVER), run_dir=tmp_path / "r", port=port
+        )
+        with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start(spec)
+    assert not spec.pid_file.exists()
+
+
+def test_second_start_from_the_same_run_dir_is_refused(tmp_path):
+    spec = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, FAKE_SERVER), run_dir=tmp_path / "r", port=free_port()
+    )
+    pgid = start(spec)
+    try:
+        with pytest.raises(LaunchError, match=f"still running \\(pid {pgid}\\)"):
+            start(spec)
+    finally:
+        stop(spec.run_dir, grace_s=0.5)
+
+
+def test_missing_interpreter_is_named(tmp_path):
+    spec = VLLMLaunchSpec(
+        model="m", python=tmp_path / "nope/bin/python", run_dir=tmp_path / "r", port=free_port()
+    )
+    with pytest.raises(LaunchError, match=r"serving interpreter not found: .*nope/bin/python"):
+        start(spec)
+
+
+def test_production_command_for_eight_gpus():
+    spec = VLLMLaunchSpec(
+        model="moonshotai/Kimi-K2.5",
+        python=Path("/opt/vllm/bin/python"),
+        run_dir=Path("/data/vllm"),
+        host="0.0.0.0",
+        port=8000,
+        served_model_name="kimi-k2.5",
+        tensor_parallel_size=8,
+        max_model_len=8192,
+        speculative_config={
+            "method": "eagle3",
+            "model": "/data/drafter",
+            "num_speculative_tokens": 3,
+        },
+        trust_remote_code=True,
+    )
+    assert build_command(spec) == [
+        "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "moonshotai/Kimi-K2.5", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "kimi-k2.5", "--tensor-parallel-size", "8",
+        "--max-model-len", "8192",
+        "--speculative-config",
+        '{"method": "eagle3", "model": "/data/drafter", "num_speculative_tokens": 3}',
+        "--trust-remote-code",
+    ]  # fmt: skip
+    env = build_env(spec, {"PATH": "/usr/bin", "PYTHONPATH": "/project", "VLLM_API_KEY": "k"})
+    assert env["PATH"] == "/opt/vllm/bin:/usr/bin"
+    assert env["VLLM_ENGINE_READY_TIMEOUT_S"] == "1800"
+    assert env["VIRTUAL_ENV"] == "/opt/vllm"
+    assert "PYTHONPATH" not in env and env["VLLM_API_KEY"] == "k"
+
+
+def test_cli_prints_the_command(capsys):
+    argv = [
+        "command",
+        "--model",
+        "/m",
+        "--python",
+        "/v/bin/python",
+        "--tensor-parallel-size",
+        "8",
+        "--speculative-config",
+        '{"method": "eagle3"}',
+        "--",
+        "--gpu-memory-utilization",
+        "0.9",
+    ]
+    assert vllm_launcher.main(argv) == 0
+    printed = shlex.split(capsys.readouterr().out)
+    assert printed[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert printed[-2:] == ["--gpu-memory-utilization", "0.9"]
+    assert printed[printed.index("--speculative-config") + 1] == '{"method": "eagle3"}'
+    assert printed[printed.index("--tensor-parallel-size") + 1] == "8"
+
+
+def test_cli_start_reports_errors_without_a_traceback(tmp_path, capsys):
+    argv = [
+        "start",
+        "--model",
+        "/m",
+        "--python",
+        str(tmp_path / "none/python"),
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--port",
+        str(free_port()),
+    ]
+    assert vllm_launcher.main(argv) == 1
+    assert "error: serving interpreter not found" in capsys.readouterr().err
+    assert sys.exc_info() == (None, None, None)
