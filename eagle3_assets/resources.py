@@ -24,7 +24,7 @@ from eagle3_assets.lib.serving.vllm_launcher import API_KEY_ENV, VLLMLaunchSpec
 from eagle3_assets.lib.serving.vllm_probe import Labels, Probe, fetch_metrics, probe, smoke_chat
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
-    from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
+    from eagle3_assets.lib.core.target import TargetShape
     from eagle3_assets.lib.evaluation.evaluate import EvaluationSettings
     from eagle3_assets.lib.generation.chat_client import GenerationConfig
     from eagle3_assets.lib.hidden_states.extract import ExtractionSettings
@@ -67,7 +67,7 @@ class TargetModel(dg.ConfigurableResource):
     trust_remote_code: bool = False  # Kimi's tokenizer needs it; only when the user says so
 
     def shape(self) -> TargetShape:
-        from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
+        from eagle3_assets.lib.core.target import TargetShape
 
         return TargetShape.from_config(Path(self.path))
 

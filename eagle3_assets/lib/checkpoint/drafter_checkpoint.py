@@ -33,6 +33,7 @@ from safetensors import safe_open
 
 from eagle3_assets.lib.core.hub_files import hub_cache_dir, hub_offline
 from eagle3_assets.lib.core.layer_ids import LayerIdSource, aux_layer_ids
+from eagle3_assets.lib.core.target import TargetShape
 
 ALLOW_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"}
@@ -152,24 +153,6 @@ def download_drafter(
 
 
 # -------------------------------------------------------------------------------- validation
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """What a drafter must agree with: the target's hidden size, vocab and layer count."""
-
-    hidden_size: int
-    vocab_size: int
-    num_hidden_layers: int
-
-    @classmethod
-    def from_config(cls, path: Path) -> "TargetShape":
-        """Read a target's config.json (or the dir holding it); multimodal configs such as
-        Kimi-K2.5's keep the language model's fields in `text_config`."""
-        path = path / "config.json" if path.is_dir() else path
-        config = json.loads(path.read_text())
-        config = config.get("text_config", config)
-        return cls(config["hidden_size"], config["vocab_size"], config["num_hidden_layers"])
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 from eagle3_assets.lib.core.layer_ids import KEY
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
-from eagle3_assets.lib.hidden_states.shard_format import file_sha256, write_atomically
 from eagle3_assets.lib.serving.vllm_launcher import (
     VLLMLaunchSpec,
     build_command,

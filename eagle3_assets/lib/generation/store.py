@@ -21,6 +21,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle3_assets.lib.core.atomic_files import write_atomically
+
 FINAL_NAME = "generations.parquet"
 SCHEMA = pa.schema(
     [
@@ -55,7 +57,7 @@ class GenerationStore:
         self.parts_dir.mkdir(parents=True, exist_ok=True)
         name = f"part-{time.time_ns()}-{os.getpid()}-{next(_part_numbers)}.parquet"
         path = self.parts_dir / name
-        _write_atomically(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+        _write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
         return path
 
     def completed_ids(self) -> set[str]:
@@ -92,7 +94,7 @@ class GenerationStore:
                 f"{self.batch_dir}: {len(missing)} of {len(sample_ids)} samples have no row "
                 f"(first: {missing[:3]}); the batch is not complete"
             )
-        _write_atomically(table, self.final_path)
+        _write_table(table, self.final_path)
         shutil.rmtree(self.parts_dir, ignore_errors=True)  # all in the final file now
         return self.final_path
 
@@ -101,16 +103,7 @@ class GenerationStore:
         return ([self.final_path] if self.final_path.exists() else []) + parts
 
 
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    """Readers see the old file or the whole new one, also after a crash or power loss."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden from the part glob
-    with tmp.open("wb") as out:
-        pq.write_table(table, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+def _write_table(table: pa.Table, path: Path) -> None:
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    write_atomically(path, buffer.getvalue().to_pybytes())

@@ -24,15 +24,14 @@ from typing import Any, Protocol
 
 import torch
 
+from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
 from eagle3_assets.lib.hidden_states.shard_format import (
     FORMAT_VERSION,
     ShardFile,
     ShardFormat,
     candidate_formats,
     encode_sample,
-    file_sha256,
     shard_bytes,
-    write_atomically,
 )
 from eagle3_assets.lib.hidden_states.token_sequences import DEFAULT_MAX_LENGTH, TokenSequence
 

@@ -21,9 +21,7 @@ the format name and the sample ids.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,25 +163,6 @@ def shard_bytes(
     # byte-identical to an uninterrupted one.
     header = {"format_version": FORMAT_VERSION, "format": fmt.name, "sample_ids": sample_ids}
     return save(packed, metadata={METADATA_KEY: json.dumps(header, sort_keys=True)})
-
-
-def write_atomically(path: Path, payload: bytes) -> str:
-    """Write `payload` to `path` via a temp file, fsync and rename; return its sha256."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashlib.sha256(payload).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
 from eagle3_assets.lib.checkpoint.drafter_io import (
     check_fits_target,
     read_drafter,
     write_vllm_drafter,
 )
-from eagle3_assets.lib.hidden_states.shard_format import write_atomically
+from eagle3_assets.lib.core.atomic_files import write_atomically
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
 from eagle3_assets.lib.training.ttt import (

@@ -19,11 +19,11 @@ from eagle3_assets.lib.checkpoint import drafter_checkpoint
 from eagle3_assets.lib.checkpoint.drafter_checkpoint import (
     DrafterDownloadError,
     DrafterValidationError,
-    TargetShape,
     download_drafter,
     validate_drafter,
 )
 from eagle3_assets.lib.core.layer_ids import LayerIdSource
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.localdev.hub import make_untrained_drafter, publish_to_hub_cache
 
 REPO_ID = "tiny-org/tiny-target-eagle3"

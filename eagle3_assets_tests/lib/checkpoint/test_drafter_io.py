@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_assets.lib.checkpoint.drafter_checkpoint import (
     DrafterValidationError,
-    TargetShape,
     validate_drafter,
 )
 from eagle3_assets.lib.checkpoint.drafter_io import (
@@ -28,6 +27,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
     write_vllm_drafter,
 )
 from eagle3_assets.lib.core.layer_ids import KEY, LayerIdSource
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter
 from eagle3_assets.localdev.hub import make_untrained_drafter
 

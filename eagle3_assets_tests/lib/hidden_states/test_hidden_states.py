@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eagle3_assets.lib.core.atomic_files import file_sha256
 from eagle3_assets.lib.core.layer_ids import aux_layer_ids
 from eagle3_assets.lib.hidden_states.extract import (
     MANIFEST,
@@ -34,7 +35,6 @@ from eagle3_assets.lib.hidden_states.shard_format import (
     ShardFormat,
     candidate_formats,
     dequantize_fp8,
-    file_sha256,
     quantize_fp8,
 )
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.lib.checkpoint.drafter_checkpoint import TargetShape
 from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm, read_drafter
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, between, snapshot
 from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
