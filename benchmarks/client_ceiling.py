@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from eagle3_assets.lib.generation.batch import run_batch
-from eagle3_assets.lib.generation.chat_client import GenerationConfig
 from eagle3_assets.lib.generation.conversations import Conversation
+from eagle3_assets.lib.generation.settings import GenerationConfig
 
 # (concurrency, requests, completion tokens per answer, return_token_ids)
 CASES = [

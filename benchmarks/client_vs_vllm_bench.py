@@ -42,8 +42,8 @@ from itertools import cycle, islice
 from pathlib import Path
 
 from eagle3_assets.lib.generation.batch import run_batch
-from eagle3_assets.lib.generation.chat_client import GenerationConfig
 from eagle3_assets.lib.generation.conversations import Conversation, load_conversations
+from eagle3_assets.lib.generation.settings import GenerationConfig
 from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
     VLLMLaunchSpec,
@@ -55,7 +55,7 @@ from eagle3_assets.lib.serving.vllm_launcher import (
     stop,
     wait_ready,
 )
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.world import build_world
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
 from eagle3_assets.lib.generation.conversations import load_conversations
 from eagle3_assets.lib.hidden_states.extract import (
@@ -27,9 +28,9 @@ from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
 from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
 from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.lib.training.train_drafter import RunConfig, train
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import train_world_drafter
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.world import build_world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def main() -> None:
     results: dict[str, Acceptance] = {}
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        checkpoint = read_drafter(warm, 8)
+        checkpoint = read_drafter(warm, TargetShape.from_config(world.target_v2))
         drafters = {
             "warm start (the world's K2 drafter)": write_vllm_drafter(
                 work / "warm-vllm", checkpoint.config, checkpoint.tensors, LAYERS.aux

@@ -1,6 +1,8 @@
 """Partitions shared across domains: synthetic generations and hidden states are cut into the
 same sample batches, registered as the prompt pool grows."""
 
+from collections.abc import Sequence
+
 import dagster as dg
 
 from eagle3_assets.lib.generation.conversations import batch_key
@@ -23,3 +25,33 @@ def next_batch(
         return batch_key(0), [sample_batches.build_add_request([batch_key(0)])]
     pending = pending_batches(instance)
     return (pending[0] if pending else None), []
+
+
+def latest_check_statuses(
+    instance: dg.DagsterInstance, asset: str, checks: Sequence[str], batches: Sequence[str]
+) -> dict[str, dict[str, str]]:
+    """batch -> check -> its latest evaluation for that batch: "passed", "failed", "not
+    evaluated", "planned" (a run has yet to evaluate it) or "stale" (the batch was materialized
+    again since). The checks must be partitioned by sample_batches (a check spec without
+    partitions_def records no batch, and every batch reads "not evaluated")."""
+    from dagster._core.storage.asset_check_execution_record import (
+        AssetCheckExecutionRecordStatus as Status,
+    )
+
+    keys = [dg.AssetCheckKey(dg.AssetKey(asset), name) for name in checks]
+    statuses = {batch: dict.fromkeys(checks, "not evaluated") for batch in batches}
+    if not batches:
+        return statuses
+    storage = instance.event_log_storage
+    for info in storage.get_asset_check_partition_info(keys, partition_keys=list(batches)):
+        if info.partition_key not in statuses:
+            continue
+        status = info.latest_execution_status
+        if not info.is_current:
+            found = "stale"
+        elif status == Status.SUCCEEDED:
+            found = "passed"
+        else:
+            found = "failed" if status == Status.FAILED else "planned"
+        statuses[info.partition_key][info.check_key.name] = found
+    return statuses

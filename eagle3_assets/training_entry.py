@@ -13,6 +13,7 @@ from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 from eagle3_assets.lib.training.train_drafter import (
     Interrupted,
     RunConfig,
+    TrainingResult,
     distributed,
     train,
     training_metadata,
@@ -36,10 +37,27 @@ def _train(config: RunConfig, pipes: PipesContext | None) -> int:
             pipes.log.warning(f"{stopped}; materialize again to resume")
         return 130
     if pipes is not None:
-        metadata = training_metadata(config, result)
-        metadata["curves"] = {"raw_value": curves(result.history), "type": "md"}
-        pipes.report_asset_materialization(metadata=metadata)
+        pipes.report_asset_materialization(metadata=typed_metadata(config, result))
     return 0
+
+
+# How the UI shows each value that is not a plain number: lists as JSON, folders as paths.
+TYPES = {
+    "final_accuracy_by_position": "json",
+    "loss_curve": "json",
+    "checkpoint": "path",
+    "export": "path",
+}
+
+
+def typed_metadata(config: RunConfig, result: TrainingResult) -> dict:
+    """training_metadata with the types the UI renders, and the loss and accuracy charts."""
+    metadata: dict = {
+        key: {"raw_value": value, "type": TYPES[key]} if key in TYPES else value
+        for key, value in training_metadata(config, result).items()
+    }
+    metadata["curves"] = {"raw_value": curves(result.history), "type": "md"}
+    return metadata
 
 
 def curves(history: list[dict]) -> str:

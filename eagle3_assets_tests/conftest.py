@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, start, stop, wait_ready
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env, miniature_server
 from eagle3_assets.localdev.hub import publish_local_drafter
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env, miniature_server
 from eagle3_assets.localdev.world import World, build_world
 
 REPO = Path(__file__).resolve().parents[1]

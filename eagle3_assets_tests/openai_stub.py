@@ -44,6 +44,7 @@ class OpenAIStub:
         self.in_flight = 0
         self.max_in_flight = 0
         self.last_payload: dict | None = None
+        self.client_ports: list[int] = []  # each chat request's client port: its connection
         self.base_url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -52,6 +53,11 @@ class OpenAIStub:
     @property
     def total_requests(self) -> int:
         return sum(self.requests.values())
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections the server holds open (idle ones close after keepalive_s)."""
+        return len(self._runner.server.connections) if self._runner else 0
 
     def __enter__(self) -> OpenAIStub:
         self._thread.start()
@@ -84,6 +90,7 @@ class OpenAIStub:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()
         self.last_payload = payload
+        self.client_ports.append(request.transport.get_extra_info("peername")[1])
         prompt = payload["messages"][-1]["content"]
         self.requests[prompt] += 1
         self.in_flight += 1

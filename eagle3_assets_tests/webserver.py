@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets.localdev.demo import process_group
+from eagle3_assets.localdev.processes import process_group
 
 REPO = Path(__file__).resolve().parents[1]
 WEBSERVER = Path(sys.executable).parent / "dagster-webserver"

@@ -11,106 +11,29 @@ retries the runs the stop interrupted.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
-    VLLMLaunchSpec,
     log_tail,
     start,
-    terminate_group,
 )
 from eagle3_assets.lib.serving.vllm_probe import probe
 from eagle3_assets.localdev.hub import LOCAL_DRAFTER_REPO, publish_local_drafter
+from eagle3_assets.localdev.miniature import (
+    PROJECT_ROOT,
+    SERVED_TARGET_NAME,
+    miniature_env,
+    miniature_server,
+)
+from eagle3_assets.localdev.processes import running_daemon
 from eagle3_assets.localdev.world import build_world
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SERVED_TARGET_NAME = "target-v2"
 LAUNCH_JOB = "launch"
 SENSOR_NAME = "vllm_readiness_sensor"
-
-
-def miniature_server(model_dir: Path, run_dir: Path, port: int, served_model_name: str):
-    """The vLLM settings that suit the CPU build and a tiny target."""
-    return VLLMLaunchSpec(
-        model=str(model_dir),
-        python=Path(
-            os.environ.get("EAGLE3_SERVING_PYTHON", PROJECT_ROOT / ".venv-vllm/bin/python")
-        ),
-        run_dir=run_dir,
-        port=port,
-        served_model_name=served_model_name,
-        max_model_len=1024,
-        enforce_eager=True,  # skips torch.compile: a minute less on 2 cores
-        cpu_kvcache_gib=1,
-    )
-
-
-def miniature_env(
-    world_root: Path, hub_cache: Path, base_url: str, data_root: Path, served_model_name: str
-) -> dict[str, str]:
-    """The EAGLE3_* settings (see resources_from_env) that point the pipeline at a world."""
-    return {
-        "EAGLE3_VLLM_URLS": base_url,
-        "EAGLE3_TARGET_MODEL": served_model_name,
-        "EAGLE3_TARGET_PATH": str(world_root / "target-v2"),
-        "EAGLE3_PROMPTS": str(world_root / "prompts.jsonl"),
-        "EAGLE3_DATA_ROOT": str(data_root),
-        "EAGLE3_DRAFTER_REPO": LOCAL_DRAFTER_REPO,
-        "EAGLE3_HF_CACHE": str(hub_cache),
-        "HF_HUB_OFFLINE": "1",  # the miniature world never reaches a hub
-        "EAGLE3_BATCH_SIZE": "16",
-        "EAGLE3_MAX_TOKENS": "96",
-        "EAGLE3_CONCURRENCY": "16",
-        "EAGLE3_HELDOUT_PROMPTS": str(world_root / "prompts-heldout.jsonl"),
-        # drafter_evaluation's servers: miniature_server's settings, on their own port
-        "EAGLE3_EVAL_VLLM_ARGS": "--enforce-eager",
-        "EAGLE3_EVAL_MAX_MODEL_LEN": "1024",
-        "EAGLE3_EVAL_CPU_KVCACHE_GIB": "1",
-        "EAGLE3_EVAL_MAX_TOKENS": "96",
-    }
-
-
-@contextlib.contextmanager
-def process_group(
-    argv: list[str], env: dict[str, str], log_file: Path, cwd: Path = PROJECT_ROOT
-) -> Iterator[subprocess.Popen]:
-    """`argv` in its own session, output appended to `log_file`; on exit SIGINT to the whole
-    group (a Dagster process takes it as a clean stop, its children too), SIGKILL after 20 s."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield process
-    finally:
-        terminate_group(process.pid, grace_s=20.0, first=signal.SIGINT)
-
-
-def running_daemon(
-    dagster_home: Path, env: dict[str, str], log_file: Path
-) -> contextlib.AbstractContextManager[subprocess.Popen]:
-    """`dagster-daemon run` on the project's workspace, with `env` and DAGSTER_HOME."""
-    daemon = Path(sys.executable).parent / "dagster-daemon"
-    return process_group(
-        [str(daemon), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
-        {**os.environ, **env, "DAGSTER_HOME": str(dagster_home)},
-        log_file,
-    )
 
 
 def launch_runs(instance, instance_ids: str | None = None) -> list:
@@ -244,10 +167,13 @@ def outcome(instance, record, say) -> int:
     """The before/after table, the check's verdict, and where to look."""
     import dagster as dg
 
+    from eagle3_assets.lib.evaluation.evaluate import comparison_table
+
     meta = {k: v.value for k, v in record.asset_materialization.metadata.items()}
     checks = instance.all_logs(record.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
     verdicts = [c.dagster_event.event_specific_data for c in checks]
-    print("\n" + meta["comparison"] + "\n", flush=True)
+    table = comparison_table([row.data for row in meta["comparison"].records])
+    print("\n" + table + "\n", flush=True)
     say(f"serve it: {meta['serve_with']}")
     for check in verdicts:
         say(f"check {check.check_name}: {'passed' if check.passed else 'FAILED'}")

@@ -4,10 +4,11 @@ Questions come from the same templates the targets were trained to answer, so th
 respond with topic-like text and the prompt pool plays the role of real user traffic.
 """
 
-import hashlib
 import json
 import pydoc_data.topics
 from pathlib import Path
+
+from eagle3_assets.lib.generation.conversations import prompt_id_for
 
 QUESTIONS = [
     "Tell me about {subject}.",
@@ -43,12 +44,6 @@ def body(text: str) -> str:
     return text.split("\n", 2)[2].strip()
 
 
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    """A short content hash: the id stays the same however the pool is ordered or grown."""
-    payload = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:12]
-
-
 def _first_paragraph(text: str, max_chars: int = 300) -> str:
     paragraph = body(text).split("\n\n", 1)[0]
     if len(paragraph) <= max_chars:
@@ -79,7 +74,7 @@ def candidate_conversations(topic_keys: tuple[str, ...] | None = None) -> list[d
 
     unique: dict[str, dict] = {}
     for key, messages in conversations:
-        pid = prompt_id(messages)  # topics sharing a heading ("if", "else") give duplicates
+        pid = prompt_id_for(messages)  # topics sharing a heading ("if", "else") give duplicates
         unique.setdefault(pid, {"prompt_id": pid, "messages": messages, "source": key})
     return list(unique.values())
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3_assets.localdev.demo import process_group
+from eagle3_assets.localdev.processes import process_group
 from eagle3_assets_tests.conftest import REPO, free_port
 from eagle3_assets_tests.webserver import running_webserver
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import dagster as dg
 from dagster._serdes import serialize_value
 
+from eagle3_assets.lib.core.hub_files import HF_TOKEN_ENV
 from eagle3_assets.lib.serving.vllm_launcher import API_KEY_ENV
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
-from eagle3_assets.resources import HF_TOKEN_ENV
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env
 from eagle3_assets_tests.conftest import REPO, free_port
 from eagle3_assets_tests.openai_stub import OpenAIStub
 from eagle3_assets_tests.webserver import running_webserver

@@ -4,7 +4,6 @@ import json
 import math
 import re
 import string
-import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
+from eagle3_assets.lib.generation.conversations import prompt_id_for
 from eagle3_assets.localdev import targets
-from eagle3_assets.localdev.prompts import prompt_id, topics
+from eagle3_assets.localdev import world as world_module
+from eagle3_assets.localdev.prompts import HELDOUT_EVERY, candidate_conversations, topics
 from eagle3_assets.localdev.world import SIZES, World, build_world
 
 SPECIAL_IDS = {"<|system|>": 0, "<|user|>": 1, "<|assistant|>": 2, "<|end|>": 3, "<|pad|>": 4}
@@ -131,17 +132,26 @@ def test_prompt_pool(world: World) -> None:
     pool, heldout = _read_jsonl(world.prompts), _read_jsonl(world.heldout_prompts)
     assert len(pool) + len(heldout) == world.spec.num_prompts
     assert 0 < len(heldout) < len(pool) / 4
+    # held out by id hash, the same split on every machine; the pool never holds one of them
+    assert all(int(row["prompt_id"], 16) % HELDOUT_EVERY == 0 for row in heldout)
+    assert all(int(row["prompt_id"], 16) % HELDOUT_EVERY != 0 for row in pool)
     ids = [row["prompt_id"] for row in pool + heldout]
     assert len(set(ids)) == len(ids)
     keys = set(world.spec.topic_keys())
     multi_turn = 0
     for row in pool + heldout:
         messages = row["messages"]
-        assert row["prompt_id"] == prompt_id(messages)  # a content hash: survives reordering
+        assert row["prompt_id"] == prompt_id_for(messages)  # a content hash: survives reordering
         assert row["source"] in keys
         assert [m["role"] for m in messages] == ["user", "assistant", "user"][: len(messages)]
-        multi_turn += len(messages) == 3
-    assert multi_turn > 0
+        if len(messages) == 3:  # the assistant turn quotes the topic it follows up on
+            multi_turn += 1
+            assert messages[1]["content"] in topics((row["source"],))[row["source"]]
+    # the smallest ids among every templated conversation, one multi-turn per topic among them
+    candidates = candidate_conversations(world.spec.topic_keys())
+    chosen = sorted(candidates, key=lambda c: c["prompt_id"])[: world.spec.num_prompts]
+    assert sorted(ids) == [c["prompt_id"] for c in chosen]
+    assert multi_turn == sum(len(c["messages"]) == 3 for c in chosen) > 0
 
 
 def test_world_record(world: World) -> None:
@@ -152,14 +162,26 @@ def test_world_record(world: World) -> None:
     assert record["special_token_ids"] == SPECIAL_IDS
 
 
-def test_second_build_is_cached(world: World) -> None:
-    record = world.root / "world.json"
-    mtime = record.stat().st_mtime_ns
-    started = time.perf_counter()
-    again = build_world(world.root.parent, "test", log=lambda _: None)
-    assert time.perf_counter() - started < 1.0
+def test_second_build_is_cached(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached world is returned as it is: nothing is built, written or touched."""
+
+    def files() -> dict[str, int]:
+        return {
+            str(path.relative_to(world.root.parent)): path.stat().st_mtime_ns
+            for path in world.root.parent.rglob("*")
+            if path.is_file()
+        }
+
+    def no_build(*args, **kwargs) -> dict:
+        raise AssertionError("the cached world was built again")
+
+    before = files()
+    monkeypatch.setattr(world_module, "_build", no_build)
+    messages: list[str] = []
+    again = build_world(world.root.parent, "test", log=messages.append)
     assert again == world
-    assert record.stat().st_mtime_ns == mtime
+    assert files() == before  # same files (no staging left), none rewritten
+    assert messages == [f"world 'test' cached at {world.root}"]
 
 
 def test_unknown_size_names_the_valid_ones(tmp_path: Path) -> None:

@@ -1,7 +1,10 @@
 """The web UI as a person uses it, in headless Chromium against the real webserver and daemon
 (and the session's real vLLM server): stop the automation so every run is the person's, read
 the lineage, materialize the drafter checkpoint, backfill two sample batches, watch the runs
-succeed, find the generation's progress lines in a run's logs, read a batch's metadata."""
+succeed, find the generation's progress lines in a run's logs, read a batch's metadata; then
+extract, train and evaluate a drafter and read the result where a person reads it: the
+drafter's loss and accuracy charts, the evaluation's before/after table, per-position chart and
+serve line, each against what the instance recorded."""
 
 import re
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ui]
 
 ROOT = "vllm_server"
 RUN_S = 300_000  # ms: a run (or a backfill) from queued to done, on a loaded 2-core machine
+EVALUATION_S = 900_000  # ms: drafter_evaluation starts three vLLM servers, one at a time
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,68 @@ def run_outcome(page: Page) -> str:
 
 def metadata_value(page: Page, key: str) -> str:
     """The value column of the asset's metadata table, in the row of `key`."""
-    row = page.get_by_role("row").filter(has=page.get_by_role("cell", name=key, exact=True))
-    return row.get_by_role("cell").nth(2).inner_text().strip()
+    return metadata_row(page, key).get_by_role("cell").nth(2).inner_text().strip()
+
+
+def metadata_row(page: Page, key: str) -> Locator:
+    """The row of `key` in the asset's metadata table."""
+    return page.get_by_role("row").filter(has=page.get_by_role("cell", name=key, exact=True))
+
+
+def shown_table(page: Page, key: str) -> list[dict[str, str]]:
+    """A table metadata value as the page draws it: one dict per row, by column header."""
+    table = metadata_row(page, key).locator("table").first
+    expect(table).to_be_visible()
+    lines = [row.locator("th, td").all_inner_texts() for row in table.locator("tr").all()]
+    header, *rows = [[cell.strip() for cell in line] for line in lines]
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def shown_image(page: Page, key: str, alt: str) -> str:
+    """The src of the image `alt` drawn in the value of `key` (a markdown image)."""
+    image = metadata_row(page, key).get_by_role("img", name=alt, exact=True)
+    expect(image).to_be_visible()
+    src = image.get_attribute("src")
+    assert src
+    return src
+
+
+def backfill(page: Page, ui: DagsterUI, asset: str, keys: list[str]) -> None:
+    """Launch a backfill of `keys` from the asset's page; wait until it succeeded."""
+    page.goto(f"{ui.url}/assets/{asset}")
+    button(page, "Materialize…").click()
+    dialog = page.get_by_role("dialog").filter(has_text="Launch runs to materialize")
+    dialog.get_by_text("Select a partition or create one").click()
+    for key in keys:
+        page.get_by_role("menuitem").filter(has_text=re.compile(rf"^{key}")).click()
+    page.keyboard.press("Escape")  # closes the partition list, not the dialog
+    expect(dialog).to_contain_text(f"{len(keys)} partitions")
+    shot(page, f"05-backfill-dialog-{asset}")
+    button(dialog, "Launch backfill").click()
+    follow_toast_link(page, ui, r"^Created backfill [a-z]{8}$")
+    status = page.get_by_text("Status", exact=True).locator("xpath=..")
+    expect(status).to_have_text(re.compile("Succeeded|Failed|Canceled"), timeout=RUN_S)
+    assert "Succeeded" in status.inner_text(), asset
+    selection = page.get_by_text("Partition selection", exact=True).locator("xpath=..")
+    assert sorted(re.findall(r"batch-\d{5}", selection.inner_text())) == keys
+
+
+def materialize(page: Page, ui: DagsterUI, asset: str, timeout_ms: int = RUN_S) -> str:
+    """Materialize an unpartitioned asset from its page; the run's id once it succeeded."""
+    page.goto(f"{ui.url}/assets/{asset}")
+    button(page, "Materialize").click()
+    run_id = follow_toast_link(page, ui, r"^Launched run [0-9a-f]{8}$").split("/")[-1]
+    ended = page.get_by_text(re.compile(r"^(Success|Failure|Canceled)$")).first
+    expect(ended).to_be_visible(timeout=timeout_ms)
+    assert ended.inner_text() == "Success", asset
+    return run_id
+
+
+def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict:
+    """The latest materialization's metadata values, as the instance keeps them."""
+    event = instance.get_latest_materialization_event(dg.AssetKey(asset))
+    assert event is not None, asset
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
 def test_a_person_runs_the_pipeline_from_the_web_ui(
@@ -160,22 +224,7 @@ def test_a_person_runs_the_pipeline_from_the_web_ui(
         shot(page, "04-checkpoint-run")
 
         # Backfill two of the three registered batches.
-        page.goto(f"{ui.url}/assets/synthetic_generations")
-        button(page, "Materialize…").click()
-        dialog = page.get_by_role("dialog").filter(has_text="Launch runs to materialize")
-        dialog.get_by_text("Select a partition or create one").click()
-        for key in chosen:
-            page.get_by_role("menuitem").filter(has_text=re.compile(rf"^{key}")).click()
-        page.keyboard.press("Escape")  # closes the partition list, not the dialog
-        expect(dialog).to_contain_text(f"{len(chosen)} partitions")
-        shot(page, "05-backfill-dialog")
-        button(dialog, "Launch backfill").click()
-        follow_toast_link(page, ui, r"^Created backfill [a-z]{8}$")
-        status = page.get_by_text("Status", exact=True).locator("xpath=..")
-        expect(status).to_have_text(re.compile("Succeeded|Failed|Canceled"), timeout=RUN_S)
-        assert "Succeeded" in status.inner_text()
-        selection = page.get_by_text("Partition selection", exact=True).locator("xpath=..")
-        assert sorted(re.findall(r"batch-\d{5}", selection.inner_text())) == chosen
+        backfill(page, ui, "synthetic_generations", chosen)
         shot(page, "06-backfill-succeeded")
         page.get_by_role("tab", name="Runs").click()
         runs = page.get_by_role("link").filter(has_text=re.compile(r"^[0-9a-f]{8}$"))
@@ -211,9 +260,28 @@ def test_a_person_runs_the_pipeline_from_the_web_ui(
         tokens_per_s = metadata_value(page, "output_tokens_per_s")
         shot(page, "09-generations-metadata")
 
+        # The drafter: both batches' hidden states, the finetuning, its evaluation in vLLM.
+        backfill(page, ui, "hidden_states", chosen)
+        drafter_run = materialize(page, ui, "eagle3_drafter")
+        page.goto(f"{ui.url}/assets/eagle3_drafter")
+        expect(metadata_row(page, "steps")).to_be_visible()
+        curves = [shown_image(page, "curves", alt) for alt in ("loss", "accuracy")]
+        drafter_steps = metadata_value(page, "steps")
+        drafter_export = metadata_value(page, "export")
+        shot(page, "10-drafter-curves")
+        evaluation_run = materialize(page, ui, "drafter_evaluation", EVALUATION_S)
+        page.goto(f"{ui.url}/assets/drafter_evaluation")
+        comparison = shown_table(page, "comparison")
+        chart = shown_image(page, "per_position_acceptance", "per-position acceptance on held-out")
+        headline = {
+            key: metadata_value(page, key)
+            for key in ("mean_acceptance_length", "mean_acceptance_length_warm_start", "speedup")
+        }
+        serve_with = metadata_value(page, "serve_with")
+        shot(page, "11-evaluation")
+
     assert shown_batch in chosen
     assert samples == str(batch_size)
-    assert float(tokens_per_s) > 0
     # What the UI showed is what the instance recorded; nothing ran but what the person ran.
     with dg.DagsterInstance.get() as instance:
         key = dg.AssetKey("synthetic_generations")
@@ -224,11 +292,49 @@ def test_a_person_runs_the_pipeline_from_the_web_ui(
         recorded = records[0].asset_materialization.metadata
         checkpoint = instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint"))
         all_runs = instance.get_runs()
+        drafter, evaluation = (
+            latest_metadata(instance, "eagle3_drafter"),
+            latest_metadata(instance, "drafter_evaluation"),
+        )
+        drafter_event = instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter"))
+        evaluation_event = instance.get_latest_materialization_event(
+            dg.AssetKey("drafter_evaluation")
+        )
     assert float(tokens_per_s) == recorded["output_tokens_per_s"].value
     assert int(samples) == recorded["samples"].value
     assert checkpoint is not None and checkpoint.run_id == checkpoint_run
-    assert len(all_runs) == 1 + len(chosen)
+    # the drafter's page showed its loss and accuracy charts, and its numbers
+    assert curves == re.findall(r"\((data:image/svg\+xml;base64,[^)]+)\)", drafter["curves"])
+    assert int(drafter_steps) == drafter["steps"] == 60
+    assert drafter_export == drafter["export"]
+    assert drafter_event.run_id == drafter_run
+    # the evaluation's page: the before/after table as a table, the chart, the serve line
+    records = [row.data for row in evaluation["comparison"].records]
+    assert [row["server"] for row in comparison] == [row["server"] for row in records]
+    assert len(comparison) == 3  # held-out: without drafter, warm start, finetuned
+    for shown, kept in zip(comparison, records, strict=True):
+        assert (
+            shown["prompt set"] == kept["prompt set"] and int(shown["prompts"]) == kept["prompts"]
+        )
+        for column in ("mean acceptance length", "output tokens/s", "speedup"):
+            assert float(shown[column]) == kept[column], column
+        rate, shown_rate = kept["acceptance rate"], shown["acceptance rate"]
+        assert shown_rate == "" if rate is None else float(shown_rate) == rate
+        assert shown["per position"] == kept["per position"]
+    assert [chart] == re.findall(
+        r"\((data:image/svg\+xml;base64,[^)]+)\)", evaluation["per_position_acceptance"]
+    )
+    assert {key: float(value) for key, value in headline.items()} == {
+        key: evaluation[key] for key in headline
+    }
+    assert serve_with == evaluation["serve_with"]
+    assert f'--speculative-config \'{{"method": "eagle3", "model": "{drafter_export}"' in (
+        serve_with
+    )
+    assert evaluation_event.run_id == evaluation_run
+    # every run is one the person launched: checkpoint, two backfills, drafter, evaluation
+    assert len(all_runs) == 1 + 2 * len(chosen) + 2
     assert all(run.status == dg.DagsterRunStatus.SUCCESS for run in all_runs)
     automated = {"dagster/sensor_name", "dagster/schedule_name"}
     assert not [run.run_id for run in all_runs if automated & run.tags.keys()]
-    assert len([run for run in all_runs if run.tags.get("dagster/backfill")]) == len(chosen)
+    assert len([run for run in all_runs if run.tags.get("dagster/backfill")]) == 2 * len(chosen)

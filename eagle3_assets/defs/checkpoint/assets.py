@@ -2,8 +2,9 @@
 
 import dagster as dg
 
+from eagle3_assets.defs.checkpoint.resources import DrafterHub
 from eagle3_assets.defs.serving.assets import vllm_server
-from eagle3_assets.resources import DrafterHub, Storage, TargetModel
+from eagle3_assets.resources import Storage, TargetModel
 
 
 @dg.asset(deps=[vllm_server], group_name="checkpoint", kinds={"huggingface", "safetensors"})
@@ -15,7 +16,8 @@ def drafter_checkpoint(
 ) -> dg.MaterializeResult:
     """The drafter to finetune: config and safetensors only (a pickle is never fetched), checked
     against the served target's shape, so a wrong download fails here and not hours later."""
-    from eagle3_assets.lib.checkpoint.drafter_checkpoint import download_drafter, validate_drafter
+    from eagle3_assets.lib.checkpoint.drafter_checkpoint import download_drafter
+    from eagle3_assets.lib.checkpoint.drafter_io import validate_drafter
 
     path, revision = download_drafter(
         drafter_hub.repo_id,
@@ -43,6 +45,7 @@ def drafter_checkpoint(
             "aux_layer_ids_vllm": str(list(info.aux_layer_ids_vllm)),
             "aux_layer_ids_sglang": str(list(info.aux_layer_ids_sglang)),
             "aux_layer_ids_source": str(info.aux_layer_ids_source),
+            "layout": info.source_format,
             "tensors": dg.MetadataValue.md(
                 "| tensor | dtype | shape |\n| --- | --- | --- |\n"
                 + "\n".join(f"| {n} | {d} | {list(s)} |" for n, (d, s) in info.tensors.items())

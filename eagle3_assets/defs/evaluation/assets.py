@@ -1,15 +1,19 @@
 """Drafter evaluation: the warm start and the finetuned drafter, each served by real vLLM as
 the target's eagle3 speculator on prompts never trained on; the numbers users decide from."""
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
+from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
+from eagle3_assets.defs.generation.resources import GenerationRecipe
+from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.training.assets import eagle3_drafter
-from eagle3_assets.resources import EvaluationRecipe, Storage, TargetModel, VLLMServer
+from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
+from eagle3_assets.resources import Storage, TargetModel
 
 if TYPE_CHECKING:
     from eagle3_assets.lib.training.train_drafter import RunConfig
@@ -24,7 +28,7 @@ HELD_OUT = "held-out"
     group_name="evaluation",
     kinds={"vllm"},
     pool="gpu",  # its servers need the accelerators the training used
-    automation_condition=dg.AutomationCondition.eager(),  # acted on by drafter_automation
+    automation_condition=eager_on_checked_inputs(),  # acted on by drafter_automation
     check_specs=[
         dg.AssetCheckSpec(
             BEATS_WARM_START,
@@ -39,29 +43,35 @@ def drafter_evaluation(
     context: dg.AssetExecutionContext,
     target: TargetModel,
     evaluation: EvaluationRecipe,
+    generation: GenerationRecipe,
     storage: Storage,
     vllm: VLLMServer,
 ) -> dg.MaterializeResult:
     """Acceptance before (warm start) and after (finetuned) in the serving engine, the speedup
     over the target alone, and the training-time accuracy of both on held-out shards. Each
-    measurement is kept as it is taken: a re-run starts servers only for what is missing."""
+    measurement is kept as it is taken: a re-run starts servers only for what is missing.
+    Prompts are rendered with the generation's chat template kwargs: the drafter is measured on
+    the rendering it was trained on."""
     from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
     from eagle3_assets.lib.evaluation.evaluate import (
         BASELINE,
+        COMPARISON_COLUMNS,
         Contender,
-        comparison_table,
+        comparison_rows,
         evaluate,
         per_position_chart,
         speedup,
         verdict,
     )
     from eagle3_assets.lib.hidden_states.extract import read_manifest
+    from eagle3_assets.lib.serving.vllm_launcher import serve_line
     from eagle3_assets.lib.training.train_drafter import RunConfig
 
     finetuned = _finetuned_export(context)
-    layers = target.shape().num_hidden_layers
     warm_start = export_for_vllm(
-        storage.path("drafter", "warm_start"), storage.path("evaluation", "warm_start"), layers
+        storage.path("drafter", "warm_start"),
+        storage.path("evaluation", "warm_start"),
+        target.shape(),
     )
     prompt_sets = evaluation.conversations()
     context.log.info("prompt sets: " + ", ".join(f"{n} ({len(c)})" for n, c in prompt_sets.items()))
@@ -73,7 +83,9 @@ def drafter_evaluation(
             Contender(FINETUNED, finetuned),
         ],
         prompt_sets,
-        evaluation.settings(),
+        dataclasses.replace(
+            evaluation.settings(), chat_template_kwargs=generation.config().chat_template_kwargs
+        ),
         storage.path("evaluation", "measurements"),
         api_key=vllm.api_key,
         log=context.log.info,
@@ -84,27 +96,27 @@ def drafter_evaluation(
     trained_layers = tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
     offline = _offline_accuracy(run, finetuned, warm_start, context)
     problem = verdict(before, after, trained_layers, evaluation.min_acceptance_rate)
-    serve = {
-        "method": "eagle3",
-        "model": str(finetuned),
-        "num_speculative_tokens": evaluation.num_speculative_tokens,
-    }
     return dg.MaterializeResult(
         metadata={
-            "comparison": dg.MetadataValue.md(comparison_table(measurements)),
+            "comparison": dg.MetadataValue.table(
+                [dg.TableRecord(row) for row in comparison_rows(measurements)],
+                dg.TableSchema([dg.TableColumn(n, t) for n, t in COMPARISON_COLUMNS.items()]),
+            ),
             "per_position_acceptance": dg.MetadataValue.md(
                 per_position_chart(measurements, HELD_OUT)
             ),
             "mean_acceptance_length": round(after.acceptance.mean_length, 3),
             "mean_acceptance_length_warm_start": round(before.acceptance.mean_length, 3),
             "acceptance_rate": round(after.acceptance_rate, 4),
-            "per_position": str([round(p, 3) for p in after.acceptance.per_position]),
+            "per_position": dg.MetadataValue.json(
+                [round(p, 3) for p in after.acceptance.per_position]
+            ),
             "speedup": round(speedup(measurements, FINETUNED, HELD_OUT), 3),
             "output_tokens_per_s": round(after.tokens_per_s, 1),
             "heldout_prompts": after.prompts,
             "training_time_accuracy": dg.MetadataValue.md(offline),
             "export": dg.MetadataValue.path(str(finetuned)),
-            "serve_with": f"vllm serve {target.path} --speculative-config '{json.dumps(serve)}'",
+            "serve_with": serve_line(target.path, finetuned, evaluation.num_speculative_tokens),
         },
         check_results=[
             dg.AssetCheckResult(
@@ -112,8 +124,8 @@ def drafter_evaluation(
                 passed=problem is None,
                 description=problem or "beats the warm start",
                 metadata={
-                    "served_aux_layers": str(list(after.aux_layers)),
-                    "trained_aux_layers": str(list(trained_layers)),
+                    "served_aux_layers": dg.MetadataValue.json(list(after.aux_layers)),
+                    "trained_aux_layers": dg.MetadataValue.json(list(trained_layers)),
                     "finetuned": round(after.acceptance.mean_length, 3),
                     "warm_start": round(before.acceptance.mean_length, 3),
                     "acceptance_rate": round(after.acceptance_rate, 4),

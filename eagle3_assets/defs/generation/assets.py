@@ -4,9 +4,11 @@ import json
 
 import dagster as dg
 
+from eagle3_assets.defs.generation.resources import GenerationRecipe, PromptPool
 from eagle3_assets.defs.serving.assets import vllm_server
+from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.partitions import sample_batches
-from eagle3_assets.resources import GenerationRecipe, PromptPool, Storage, VLLMServer
+from eagle3_assets.resources import Storage
 
 ONE_ROW_PER_PROMPT = "one_row_per_prompt"
 RESPONSE_QUALITY = "response_quality"
@@ -19,9 +21,11 @@ RESPONSE_QUALITY = "response_quality"
     kinds={"vllm", "parquet"},
     pool="vllm",  # batch runs share the server instead of flooding it
     backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1),
-    check_specs=[
-        dg.AssetCheckSpec(ONE_ROW_PER_PROMPT, asset="synthetic_generations", blocking=True),
-        dg.AssetCheckSpec(RESPONSE_QUALITY, asset="synthetic_generations", blocking=True),
+    check_specs=[  # per batch: a later batch's pass must not hide this one's failure
+        dg.AssetCheckSpec(
+            name, asset="synthetic_generations", blocking=True, partitions_def=sample_batches
+        )
+        for name in (ONE_ROW_PER_PROMPT, RESPONSE_QUALITY)
     ],
 )
 def synthetic_generations(

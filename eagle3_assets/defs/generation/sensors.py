@@ -1,13 +1,11 @@
 """New batches as the prompt pool grows, and a schedule that backfills the ones not done."""
 
-import os
-
 import dagster as dg
 
+from eagle3_assets.defs.generation.resources import PromptPool
 from eagle3_assets.defs.serving.sensors import server_ready
 from eagle3_assets.lib.generation.conversations import batch_key
 from eagle3_assets.partitions import pending_batches, sample_batches
-from eagle3_assets.resources import PromptPool
 
 generate_batch_job = dg.define_asset_job(
     "generate_batch",
@@ -59,17 +57,24 @@ def new_batches_sensor(context: dg.SensorEvaluationContext, prompt_pool: PromptP
     )
 
 
-@dg.schedule(
-    job=generate_batch_job,
-    cron_schedule=os.environ.get("EAGLE3_BACKFILL_CRON", "*/15 * * * *"),
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Backfills registered batches that are neither materialized nor in flight.",
-)
-def batch_backfill_schedule(context: dg.ScheduleEvaluationContext):
-    if not server_ready(context.instance):
-        return dg.SkipReason("vllm_server is not observed ready")
-    busy = batches_in_flight(context.instance)
-    todo = [key for key in pending_batches(context.instance) if key not in busy]
-    if not todo:
-        return dg.SkipReason("every registered batch is materialized or in flight")
-    return [dg.RunRequest(partition_key=key, run_key=key) for key in todo]  # keyed per tick
+def batch_backfill_schedule(cron: str) -> dg.ScheduleDefinition:
+    """Backfills registered batches that are neither materialized nor in flight, on `cron`
+    (EAGLE3_BACKFILL_CRON)."""
+
+    @dg.schedule(
+        name="batch_backfill_schedule",
+        job=generate_batch_job,
+        cron_schedule=cron,
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Backfills registered batches that are neither materialized nor in flight.",
+    )
+    def schedule(context: dg.ScheduleEvaluationContext):
+        if not server_ready(context.instance):
+            return dg.SkipReason("vllm_server is not observed ready")
+        busy = batches_in_flight(context.instance)
+        todo = [key for key in pending_batches(context.instance) if key not in busy]
+        if not todo:
+            return dg.SkipReason("every registered batch is materialized or in flight")
+        return [dg.RunRequest(partition_key=key, run_key=key) for key in todo]  # keyed per tick
+
+    return schedule

@@ -1,24 +1,41 @@
 """Hidden states: the target's states at the drafter's layers for each batch of generations."""
 
-import json
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
-from eagle3_assets.defs.generation.assets import synthetic_generations
-from eagle3_assets.partitions import sample_batches
-from eagle3_assets.resources import GenerationRecipe, HiddenStatesRecipe, Storage, TargetModel
+from eagle3_assets.defs.generation.assets import (
+    ONE_ROW_PER_PROMPT,
+    RESPONSE_QUALITY,
+    synthetic_generations,
+)
+from eagle3_assets.defs.generation.resources import GenerationRecipe
+from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
+from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
+from eagle3_assets.partitions import latest_check_statuses, sample_batches
+from eagle3_assets.resources import Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
-    from eagle3_assets.lib.hidden_states.extract import BatchVerification, LayerSelection
+    from eagle3_assets.lib.hidden_states.extract import BatchVerification
 
 COMPLETE = "manifest_complete"
 FINITE = "values_finite"
 TOKENS_MATCH = "token_ids_match_generations"
 LOSS_FRACTION = "loss_mask_fraction"
+CHECKS = (COMPLETE, FINITE, TOKENS_MATCH, LOSS_FRACTION)
+# what to fix before re-materializing a batch that failed each check (named in refusals)
+FIXES = {
+    COMPLETE: "finding why shards are missing or fail their sha256 (disk full, a concurrent "
+    "writer)",
+    FINITE: "fixing the NaN/Inf states (the extraction dtype, EAGLE3_EXTRACT_DTYPE, or the "
+    "target's weights)",
+    TOKENS_MATCH: "re-materializing synthetic_generations of that batch (the stored token ids "
+    "differ from the generation's)",
+    LOSS_FRACTION: "checking the chat template and EAGLE3_CHAT_TEMPLATE_KWARGS (a loss mask "
+    "that is empty or everything)",
+}
 
 
 @dg.asset(
@@ -27,11 +44,12 @@ LOSS_FRACTION = "loss_mask_fraction"
     group_name="hidden_states",
     kinds={"pytorch", "safetensors"},
     pool="gpu",
-    automation_condition=dg.AutomationCondition.eager(),  # acted on by drafter_automation
+    automation_condition=eager_on_checked_inputs(),  # acted on by drafter_automation
     backfill_policy=dg.BackfillPolicy.multi_run(max_partitions_per_run=1),
+    # one result per batch (partitioned), so a later batch's pass never hides this one's failure
     check_specs=[
-        dg.AssetCheckSpec(name, asset="hidden_states", blocking=True)
-        for name in (COMPLETE, FINITE, TOKENS_MATCH, LOSS_FRACTION)
+        dg.AssetCheckSpec(name, asset="hidden_states", blocking=True, partitions_def=sample_batches)
+        for name in CHECKS
     ],
 )
 def hidden_states(
@@ -48,6 +66,11 @@ def hidden_states(
     from transformers import AutoTokenizer
 
     from eagle3_assets.lib.generation.store import FINAL_NAME
+    from eagle3_assets.lib.hidden_states.backends import (
+        VLLMExtraction,
+        drafter_layers,
+        open_backend,
+    )
     from eagle3_assets.lib.hidden_states.extract import extract_batch, human_bytes, verify_batch
     from eagle3_assets.lib.hidden_states.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
     from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
@@ -57,6 +80,7 @@ def hidden_states(
     generations = storage.path("generations", key, FINAL_NAME)
     if not generations.exists():
         raise dg.Failure(f"{key}: no {generations}; materialize synthetic_generations[{key}] first")
+    _refuse_failed_generations(context.instance, key)
     rows = pq.read_table(generations).to_pylist()
     tokenizer = AutoTokenizer.from_pretrained(
         target.path, trust_remote_code=target.trust_remote_code
@@ -69,7 +93,10 @@ def hidden_states(
             f"(stored as vLLM saw them; check EAGLE3_CHAT_TEMPLATE_KWARGS): {mismatches[0]}"
         )
     shape = target.shape()
-    layers = _drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
+    try:
+        layers = drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
+    except FileNotFoundError as missing:
+        raise dg.Failure(str(missing)) from None
     context.log.info(
         f"{key}: {len(sequences)} samples; layers {list(layers.aux)} + final {layers.final} "
         f"(vLLM ids, from {layers.source}); {hidden.format} via {hidden.backend}"
@@ -78,7 +105,24 @@ def hidden_states(
     summary = extract_batch(
         sequences,
         out_dir,
-        lambda: _open_source(target, hidden, layers.ids, shape.hidden_size, storage),
+        lambda: open_backend(
+            hidden.backend,
+            target.path,
+            layers.ids,
+            shape.hidden_size,
+            hidden.dtype,
+            hidden.device,
+            target.trust_remote_code,
+            VLLMExtraction(
+                python=Path(hidden.serving_python),
+                run_dir=storage.path("vllm-extraction"),
+                port=hidden.vllm_port,
+                max_model_len=hidden.max_length + 1,
+                load_timeout_s=hidden.vllm_load_timeout_s,
+                tensor_parallel_size=hidden.vllm_tensor_parallel_size,
+                extra_args=tuple(hidden.vllm_args),
+            ),
+        ),
         layers,
         shape.hidden_size,
         settings,
@@ -122,50 +166,19 @@ def hidden_states(
     )
 
 
-def _drafter_layers(drafter_dir: Path, num_layers: int) -> "LayerSelection":
-    """The warm-start drafter's aux ids (either convention, declared by its config)."""
-    from eagle3_assets.lib.core.layer_ids import aux_layer_ids
-    from eagle3_assets.lib.hidden_states.extract import LayerSelection
-
-    config = drafter_dir / "config.json"
-    if not config.exists():
-        raise dg.Failure(f"no {config}: materialize drafter_checkpoint first")
-    ids = aux_layer_ids(json.loads(config.read_text()), num_layers)
-    return LayerSelection(aux=ids.fc_order, final=num_layers, source=str(ids.source))
-
-
-def _open_source(
-    target: TargetModel,
-    hidden: HiddenStatesRecipe,
-    layer_ids: tuple[int, ...],
-    hidden_size: int,
-    storage: Storage,
-) -> AbstractContextManager:
-    """The configured backend, loaded only when a shard is missing."""
-    if hidden.backend == "hf":
-        from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
-
-        return HFTarget(
-            Path(target.path), layer_ids, hidden.dtype, hidden.device, target.trust_remote_code
+def _refuse_failed_generations(instance: dg.DagsterInstance, key: str) -> None:
+    """Never extract a batch of generations whose latest blocking checks did not pass: the
+    failed run stopped, but its rows stayed on disk."""
+    checks = (ONE_ROW_PER_PROMPT, RESPONSE_QUALITY)
+    statuses = latest_check_statuses(instance, "synthetic_generations", checks, [key])[key]
+    problems = {check: status for check, status in statuses.items() if status != "passed"}
+    if problems:
+        found = ", ".join(f"{check} {status}" for check, status in problems.items())
+        raise dg.Failure(
+            f"synthetic_generations[{key}]: {found} (latest evaluation); re-materialize "
+            f"synthetic_generations[{key}] until its checks pass, then hidden_states[{key}]",
+            metadata={"batch": key, **problems},
         )
-    from eagle3_assets.lib.hidden_states.hf_backend import resolve_device
-    from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
-    from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
-
-    cpu = resolve_device(hidden.device) == "cpu"
-    serving = VLLMLaunchSpec(
-        model=target.path,
-        python=Path(hidden.serving_python),
-        run_dir=storage.path("vllm-extraction"),
-        port=hidden.vllm_port,
-        tensor_parallel_size=hidden.vllm_tensor_parallel_size,
-        max_model_len=hidden.max_length + 1,
-        dtype=hidden.dtype,
-        trust_remote_code=target.trust_remote_code,
-        cpu_kvcache_gib=1 if cpu else None,
-        extra_args=tuple(hidden.vllm_args),
-    )
-    return extraction_server(serving, layer_ids, hidden_size, cpu, hidden.vllm_load_timeout_s)
 
 
 def _checks(result: "BatchVerification", recipe: HiddenStatesRecipe) -> list[dg.AssetCheckResult]:

@@ -3,7 +3,7 @@ the target as it is actually served."""
 
 import dagster as dg
 
-from eagle3_assets.resources import VLLMServer
+from eagle3_assets.defs.serving.resources import VLLMServer
 
 vllm_server = dg.AssetSpec(
     "vllm_server",

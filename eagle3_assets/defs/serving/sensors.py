@@ -7,9 +7,9 @@ import time
 
 import dagster as dg
 
+from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.lib.serving.vllm_probe import Readiness, ServerState, advance, worth_recording
 from eagle3_assets.partitions import next_batch, sample_batches
-from eagle3_assets.resources import VLLMServer
 
 # What starts the moment the server is ready, in ONE run: the drafter download and the next
 # generation batch run side by side under the multiprocess executor.

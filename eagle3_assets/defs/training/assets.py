@@ -8,8 +8,13 @@ from pathlib import Path
 import dagster as dg
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
+from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES
+from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
+from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
+from eagle3_assets.lib.hidden_states.batch_selection import select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
-from eagle3_assets.resources import Storage, TargetModel, TrainingLauncher, TrainingRecipe
+from eagle3_assets.partitions import latest_check_statuses
+from eagle3_assets.resources import Storage, TargetModel
 
 
 @dg.asset(
@@ -20,8 +25,8 @@ from eagle3_assets.resources import Storage, TargetModel, TrainingLauncher, Trai
     group_name="training",
     kinds={"pytorch"},
     pool="gpu",
-    # once every registered batch is extracted (acted on by drafter_automation)
-    automation_condition=dg.AutomationCondition.eager(),
+    # once every registered batch is extracted and none failed its checks (drafter_automation)
+    automation_condition=eager_on_checked_inputs(),
 )
 def eagle3_drafter(
     context: dg.AssetExecutionContext,
@@ -30,18 +35,34 @@ def eagle3_drafter(
     training: TrainingRecipe,
     storage: Storage,
 ) -> dg.MaterializeResult:
-    """The warm-start drafter finetuned on every extracted batch, exported for vLLM. The run
-    directory is keyed by the data and the recipe, so a cancelled run resumes from its last
-    checkpoint when materialized again, and new batches start a new run. Dagster launches
-    node 0 (as a subprocess or a Kubernetes pod); other nodes join with the logged command."""
-    batches = sorted(context.instance.get_materialized_partitions(dg.AssetKey("hidden_states")))
-    batch_dirs = [
-        str(storage.path("hidden_states", b))
-        for b in batches
-        if storage.path("hidden_states", b, "manifest.json").exists()
-    ]
-    if not batch_dirs:
-        raise dg.Failure("no extracted hidden_states batch: materialize hidden_states first")
+    """The warm-start drafter finetuned on every extracted batch whose checks passed, exported
+    for vLLM; a batch whose latest check evaluation failed (or that was never checked) is left
+    out and named. The run directory is keyed by the data and the recipe, so a cancelled run
+    resumes from its last checkpoint when materialized again, and new batches start a new run.
+    Dagster launches node 0 (as a subprocess or a Kubernetes pod); other nodes join with the
+    logged command."""
+    instance = context.instance
+    materialized = sorted(instance.get_materialized_partitions(dg.AssetKey("hidden_states")))
+    statuses = latest_check_statuses(instance, "hidden_states", CHECKS, materialized)
+    manifests = [storage.path("hidden_states", b, "manifest.json") for b in materialized]
+    on_disk = [b for b, m in zip(materialized, manifests, strict=True) if m.exists()]
+    selection = select_batches(statuses, on_disk)
+    left_out = [e.message("hidden_states", FIXES) for e in selection.excluded]
+    for message in left_out:
+        context.log.warning(message)
+    if not selection.usable:
+        raise dg.Failure(
+            "no hidden_states batch passed its checks: materialize hidden_states"
+            + (f"; {len(left_out)} left out:\n" + "\n".join(left_out) if left_out else " first"),
+            metadata={"excluded_batches": "\n".join(left_out) or "none"},
+        )
+    context.add_asset_metadata(
+        {
+            "batches": ", ".join(selection.usable),
+            "excluded_batches": "\n".join(left_out) or "none",
+        }
+    )
+    batch_dirs = [str(storage.path("hidden_states", b)) for b in selection.usable]
     run = {
         "batch_dirs": batch_dirs,
         "warm_start": str(storage.path("drafter", "warm_start")),

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 HF_DATASETS = "hf://datasets/"
+HF_TOKEN_ENV = "HF_TOKEN"  # the hub token: only ever read from the environment
 
 
 def hub_offline() -> bool:

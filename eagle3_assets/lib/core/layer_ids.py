@@ -25,6 +25,25 @@ def vllm_to_sglang(ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(i - VLLM_MINUS_SGLANG for i in ids)
 
 
+def check_layer_ids(ids: Sequence[int], num_layers: int, what: str = "layer ids") -> None:
+    """THE rule for vLLM ids, used wherever ids are checked: 1 <= id <= N for an N-layer target.
+
+    Id N is the last layer's output before the final norm, which vLLM captures for every model
+    (llama.py after layer N - 1; deepseek_v2.py at end_layer) and extraction keeps as the final
+    state. Id 0, the embeddings, is refused: vLLM's Llama captures it, but DeepSeek-V2 (Kimi)
+    adds the first layer's residual, None there, and fails, and the hf backend hooks layer
+    outputs only, so a drafter reading it could be neither served on Kimi nor trained here.
+    Raise ValueError naming `what`, the range and the ids found."""
+    bad = [i for i in ids if not 1 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"{what} {bad}: expected vLLM ids in [1, {num_layers}] (the target has {num_layers} "
+            f"layers; id i is the residual stream entering layer i, {num_layers} the last "
+            f"layer's output; 0, the embeddings, is not captured by every vLLM model), "
+            f"found {list(ids)}"
+        )
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """vLLM's default when a drafter config names no ids, in vLLM convention: (2, N//2, N-3)."""
     return (2, num_layers // 2, num_layers - 3)

@@ -28,5 +28,9 @@ class TargetShape:
 
     @classmethod
     def from_config(cls, path: Path) -> TargetShape:
-        config = target_config(path)
+        return cls.from_fields(target_config(path))
+
+    @classmethod
+    def from_fields(cls, config: dict[str, Any]) -> TargetShape:
+        """The shape from fields `target_config` returned."""
         return cls(config["hidden_size"], config["vocab_size"], config["num_hidden_layers"])

@@ -3,7 +3,9 @@ counters around a workload of chat completions (chat template applied by the ser
 
 Mean acceptance length = 1 + accepted / drafts (the target's own token plus the accepted
 draft tokens per verification step); per-position acceptance = accepted at position k /
-drafts. Counters are summed over label sets, so several engines' series add up.
+drafts. Counters are summed over label sets, so several engines' series add up. The prompt
+tokens the engine counted are kept as evidence of the rendering measured: the same prompts
+rendered with other chat template kwargs count other tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from eagle3_assets.lib.serving.vllm_probe import fetch_metrics, smoke_chat
 
@@ -20,6 +23,7 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATED = "vllm:generation_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Acceptance:
     accepted_per_position: list[float]
     output_tokens: float
     seconds: float
+    prompt_tokens: float = 0.0  # 0: a measurement saved before it was counted
 
     @property
     def mean_length(self) -> float:
@@ -45,7 +50,7 @@ def snapshot(base_url: str, api_key: str | None = None) -> dict[str, float | dic
     metrics = fetch_metrics(base_url, api_key=api_key)
     totals: dict[str, float | dict[int, float]] = {
         name: sum(metrics.get(name, {}).values())
-        for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED, GENERATED)
+        for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED, GENERATED, PROMPT)
     }
     positions: dict[int, float] = {}
     for labels, value in metrics.get(PER_POSITION, {}).items():
@@ -62,15 +67,19 @@ def measure_acceptance(
     max_tokens: int,
     concurrency: int = 8,
     api_key: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Acceptance:
-    """Run the conversations greedy and read what the engine counted meanwhile (nothing
-    else should use the server during the measurement)."""
+    """Run the conversations greedy, rendered with `chat_template_kwargs` as the drafter's
+    training data was, and read what the engine counted meanwhile (nothing else should use
+    the server during the measurement)."""
     before = snapshot(base_url, api_key)
     started = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         list(
             pool.map(
-                lambda m: smoke_chat(base_url, model, m, max_tokens, 600.0, api_key),
+                lambda m: smoke_chat(
+                    base_url, model, m, max_tokens, 600.0, api_key, chat_template_kwargs
+                ),
                 conversations,
             )
         )
@@ -89,4 +98,5 @@ def between(before: dict, after: dict, seconds: float) -> Acceptance:
         ],
         output_tokens=after[GENERATED] - before[GENERATED],
         seconds=seconds,
+        prompt_tokens=after[PROMPT] - before[PROMPT],
     )

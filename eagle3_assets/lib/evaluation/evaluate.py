@@ -3,9 +3,14 @@ speculator, one server at a time, the same prompts greedy through the chat templ
 plain server (no drafter) as the throughput baseline. Numbers come from /metrics deltas
 (lib/evaluation/acceptance.py).
 
+Prompts are rendered as the drafter's training data was: every request carries the
+generation's `chat_template_kwargs` (Kimi: `{"thinking": false}`); another rendering is another
+distribution.
+
 A measurement is saved as soon as it is taken, keyed by what decides it (the drafter's bytes,
-the server command, the prompts, the settings): a crashed evaluation re-measures only what is
-missing, and a changed drafter is never mistaken for the old one.
+the server command, the prompts, the settings, the template kwargs among them): a crashed
+evaluation re-measures only what is missing, and neither a changed drafter nor another
+rendering is mistaken for the old one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
@@ -51,6 +57,7 @@ class EvaluationSettings:
     concurrency: int = 16
     num_speculative_tokens: int = 3
     load_timeout_s: float = 1800.0
+    chat_template_kwargs: dict[str, Any] | None = None  # the generation's, sent as they are
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,8 @@ def _measure_on_new_server(
         loaded = wait_ready(spec, settings.load_timeout_s)
         model = spec.served_model_name or spec.model
         first = next(iter(prompt_sets.values()))[0]
-        smoke_chat(spec.base_url, model, first, 8, 600.0, api_key)  # warm-up, not counted
+        kwargs = settings.chat_template_kwargs
+        smoke_chat(spec.base_url, model, first, 8, 600.0, api_key, kwargs)  # warm-up, not counted
         layers = served_aux_layers(spec.log_file, contender.drafter) if contender.drafter else None
         log(f"{contender.name}: ready in {loaded:.0f}s, vLLM feeds the drafter layers {layers}")
         for name, conversations in prompt_sets.items():
@@ -140,6 +148,7 @@ def _measure_on_new_server(
                 settings.max_tokens,
                 settings.concurrency,
                 api_key,
+                kwargs,
             )
             measured = Measurement(contender.name, name, len(conversations), counted, layers)
             record = {
@@ -166,7 +175,8 @@ def _key(
     conversations: list[list[dict]],
     settings: EvaluationSettings,
 ) -> str:
-    """What decides a measurement: the server command, the drafter's bytes, the prompts."""
+    """What decides a measurement: the server command, the drafter's bytes, the prompts and
+    the settings (the chat template kwargs that render the prompts among them)."""
     decided_by = {
         "command": build_command(dataclasses.replace(spec, port=0, run_dir=Path("."))),
         "drafter": drafter,
@@ -200,23 +210,54 @@ def speedup(measurements: Sequence[Measurement], contender: str, prompt_set: str
     return by[(contender, prompt_set)].tokens_per_s / baseline if baseline else 0.0
 
 
-def comparison_table(measurements: Sequence[Measurement]) -> str:
-    """Markdown: one row per prompt set and contender, before vs after at a glance."""
-    rows = [
-        "| prompt set | server | prompts | mean acceptance length | acceptance rate "
-        "| per position | output tokens/s | speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+COMPARISON_COLUMNS = {  # column: type, as Dagster's TableSchema names types
+    "prompt set": "string",
+    "server": "string",
+    "prompts": "int",
+    "mean acceptance length": "float",
+    "acceptance rate": "float",
+    "per position": "string",
+    "output tokens/s": "float",
+    "speedup": "float",
+}
+
+
+def comparison_rows(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """One row per prompt set and server (COMPARISON_COLUMNS), rounded to the digits shown;
+    no acceptance rate (None) and no per-position rates ("") without a drafter."""
+    rows = []
     for m in sorted(measurements, key=lambda m: m.prompt_set):
         drafted = m.contender != BASELINE
-        positions = ", ".join(f"{p:.3f}" for p in m.acceptance.per_position)
         rows.append(
-            f"| {m.prompt_set} | {m.contender} | {m.prompts} | "
-            f"{m.acceptance.mean_length:.3f} | "
-            f"{f'{m.acceptance_rate:.3f}' if drafted else '-'} | {positions or '-'} | "
-            f"{m.tokens_per_s:.1f} | {speedup(measurements, m.contender, m.prompt_set):.2f}x |"
+            {
+                "prompt set": m.prompt_set,
+                "server": m.contender,
+                "prompts": m.prompts,
+                "mean acceptance length": round(m.acceptance.mean_length, 3),
+                "acceptance rate": round(m.acceptance_rate, 3) if drafted else None,
+                "per position": ", ".join(f"{p:.3f}" for p in m.acceptance.per_position),
+                "output tokens/s": round(m.tokens_per_s, 1),
+                "speedup": round(speedup(measurements, m.contender, m.prompt_set), 2),
+            }
         )
-    return "\n".join(rows)
+    return rows
+
+
+def comparison_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown of comparison_rows, for a terminal: before vs after at a glance."""
+    lines = [
+        "| " + " | ".join(COMPARISON_COLUMNS) + " |",
+        "| " + " | ".join("---" for _ in COMPARISON_COLUMNS) + " |",
+    ]
+    for row in rows:
+        rate = row["acceptance rate"]
+        lines.append(
+            f"| {row['prompt set']} | {row['server']} | {row['prompts']} | "
+            f"{row['mean acceptance length']:.3f} | {'-' if rate is None else f'{rate:.3f}'} | "
+            f"{row['per position'] or '-'} | {row['output tokens/s']:.1f} | "
+            f"{row['speedup']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 def per_position_chart(measurements: Sequence[Measurement], prompt_set: str) -> str:

@@ -19,13 +19,9 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from eagle3_assets.lib.generation.chat_client import (
-    ChatClient,
-    GenerationConfig,
-    RequestRejected,
-    RetriesExhausted,
-)
+from eagle3_assets.lib.generation.chat_client import ChatClient, RequestRejected, RetriesExhausted
 from eagle3_assets.lib.generation.conversations import Conversation
+from eagle3_assets.lib.generation.settings import GenerationConfig, Sampling
 from eagle3_assets.lib.generation.store import GenerationStore
 
 
@@ -38,15 +34,7 @@ def sample_seed(base_seed: int, prompt_id: str) -> int:
 def settings_fingerprint(model: str, config: GenerationConfig) -> str:
     """A hash of everything that shapes a sample; part of the sample id, so rows generated
     under other settings are never resumed into this batch."""
-    shaping = {
-        "model": model,
-        "max_tokens": config.max_tokens,
-        "temperature": config.temperature,
-        "top_p": config.top_p,
-        "seed": config.seed,
-        "chat_template_kwargs": config.chat_template_kwargs,
-        "return_token_ids": config.return_token_ids,
-    }
+    shaping = {"model": model, **config.model_dump(include=set(Sampling.model_fields))}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:8]
 
 

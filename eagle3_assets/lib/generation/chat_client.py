@@ -24,34 +24,11 @@ from typing import Any
 
 import aiohttp
 
+from eagle3_assets.lib.generation.settings import GenerationConfig
+
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})  # and every 5xx
 KEEPALIVE_S = 4.0  # below vLLM's 5 s idle close, so we close idle connections first
 REPLICA_REST_S = 5.0  # a replica that just failed gets no new requests while others can
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What shapes the samples (first group) and how the client behaves (second group)."""
-
-    max_tokens: int = 2048
-    temperature: float = 1.0  # the target's own distribution: what the drafter must predict
-    top_p: float = 1.0
-    seed: int = 0  # each sample gets seed + a stable hash of its prompt id
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Kimi's {"thinking": False}
-    return_token_ids: bool = False  # vLLM >= 0.10.2 returns prompt and output token ids
-
-    concurrency: int = 200
-    max_attempts: int = 8  # per sample, the first try included
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
-    breaker_threshold: int = 20  # consecutive failed requests to every replica
-    connect_timeout_s: float = 10.0
-    flush_every_s: float = 0.5  # a kill -9 loses at most this much of completed work
-
-    def __post_init__(self) -> None:
-        for name in ("max_tokens", "concurrency", "max_attempts", "breaker_threshold"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 class GenerationError(RuntimeError):

@@ -38,10 +38,8 @@ class Conversation:
 
 
 def prompt_id_for(messages: list[dict[str, str]]) -> str:
-    """A short content hash, so an id-less record keeps its id however the pool is reordered.
-
-    The same formula as the miniature world's prompt pool (localdev.prompts.prompt_id).
-    """
+    """A short content hash, so an id-less record keeps its id however the pool is reordered
+    or grown (the miniature world's prompt pool is keyed by it too)."""
     payload = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
     return hashlib.sha256(payload).hexdigest()[:12]
 
@@ -64,6 +62,11 @@ def load_conversations(path: str | Path) -> list[Conversation]:
                 f"{where}: prompt_id {conversation.prompt_id!r} already used by {first[1]} "
                 "with different messages"
             )
+    if not seen:
+        raise ConversationError(
+            f"{path}: no conversations; expected JSONL/JSON records or Parquet rows with "
+            "`messages` (role/content) or `conversations` (from/value)"
+        )
     return [conversation for conversation, _ in seen.values()]
 
 

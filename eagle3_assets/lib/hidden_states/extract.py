@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
+from eagle3_assets.lib.hidden_states.settings import DEFAULTS
 from eagle3_assets.lib.hidden_states.shard_format import (
     FORMAT_VERSION,
     ShardFile,
@@ -33,7 +34,7 @@ from eagle3_assets.lib.hidden_states.shard_format import (
     encode_sample,
     shard_bytes,
 )
-from eagle3_assets.lib.hidden_states.token_sequences import DEFAULT_MAX_LENGTH, TokenSequence
+from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -54,10 +55,10 @@ class StateSource(Protocol):
 @dataclass(frozen=True)
 class ExtractionSettings:
     format: ShardFormat = field(default_factory=ShardFormat)
-    shard_bytes: int = 1 << 30
-    batch_tokens: int = 16384  # per forward, padding included
+    shard_bytes: int = DEFAULTS.shard_mb << 20
+    batch_tokens: int = DEFAULTS.batch_tokens  # per forward, padding included
     cap_bytes: int | None = None  # on everything under the hidden-states root
-    max_length: int = DEFAULT_MAX_LENGTH  # what the sequences were cut to (for the manifest)
+    max_length: int = DEFAULTS.max_length  # what the sequences were cut to (for the manifest)
 
 
 @dataclass(frozen=True)

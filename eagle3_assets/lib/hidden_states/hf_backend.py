@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3_assets.lib.core.layer_ids import check_layer_ids
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -81,12 +82,7 @@ class HFTarget:
         self.model = (model if multi_gpu else model.to(device)).eval()
         self.decoder = self.model.get_decoder()
         layers = self.decoder.layers
-        bad = [i for i in layer_ids if not 1 <= i <= len(layers)]
-        if bad:
-            raise ValueError(
-                f"layer ids {bad}: expected vLLM ids in [1, {len(layers)}] for a "
-                f"{len(layers)}-layer target"
-            )
+        check_layer_ids(layer_ids, len(layers))
         self.layer_ids = tuple(layer_ids)
         self.hidden_size = self.model.config.get_text_config().hidden_size
         self._captured: dict[int, torch.Tensor] = {}

@@ -22,7 +22,6 @@ the format name and the sample ids.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from eagle3_assets.lib.hidden_states.settings import FINAL, WIDTH, check_format, split_format
+
 FORMAT_VERSION = 1
 METADATA_KEY = "eagle3_hidden_states"
 FP8 = torch.float8_e4m3fn
@@ -38,8 +39,6 @@ FP8_MAX = 448.0
 FP8_RELATIVE_ERROR = 2.0**-4  # half an ulp of e4m3's 3 mantissa bits
 FP8_SUBNORMAL_ERROR = 2.0**-10  # half the subnormal spacing, in units of the scale
 KIMI_HIDDEN_SIZE, KIMI_AUX_LAYERS = 7168, 3  # the motivating deployment's storage math
-_WIDTH = {"bf16": 2, "fp8": 1}
-_FINAL = re.compile(r"^(bf16|fp8|top(\d+))$")
 
 
 @dataclass(frozen=True)
@@ -50,18 +49,11 @@ class ShardFormat:
     final: str = "fp8"
 
     def __post_init__(self) -> None:
-        if self.aux not in _WIDTH:
-            raise ValueError(f"aux: expected bf16 or fp8, found {self.aux!r}")
-        match = _FINAL.match(self.final)
-        if not match or (match.group(2) is not None and int(match.group(2)) < 1):
-            raise ValueError(f"final: expected bf16, fp8 or top<k> (k >= 1), found {self.final!r}")
+        check_format(self.aux, self.final)
 
     @classmethod
     def parse(cls, name: str) -> ShardFormat:
-        aux, plus, final = name.partition("+")
-        if not plus:
-            raise ValueError(f"hidden-states format: expected '<aux>+<final>', found {name!r}")
-        return cls(aux, final)
+        return cls(*split_format(name))
 
     @property
     def name(self) -> str:
@@ -69,19 +61,19 @@ class ShardFormat:
 
     @property
     def topk(self) -> int | None:
-        match = _FINAL.match(self.final)
+        match = FINAL.match(self.final)
         return int(match.group(2)) if match and match.group(2) else None
 
     def token_bytes(self, hidden_size: int, num_aux: int) -> int:
         """Bytes stored for every token: id, mask bit, aux states (and their scales)."""
         scales = 4 * num_aux if self.aux == "fp8" else 0
-        return 4 + 1 + num_aux * hidden_size * _WIDTH[self.aux] + scales
+        return 4 + 1 + num_aux * hidden_size * WIDTH[self.aux] + scales
 
     def teacher_bytes(self, hidden_size: int) -> int:
         """Bytes stored for every teacher position: the final state, or top-k logits and ids."""
         if self.topk is not None:
             return self.topk * (2 + 4)
-        return hidden_size * _WIDTH[self.final] + (4 if self.final == "fp8" else 0)
+        return hidden_size * WIDTH[self.final] + (4 if self.final == "fp8" else 0)
 
     def bytes_per_token(self, hidden_size: int, num_aux: int, teacher_share: float) -> float:
         """Average bytes per token when `teacher_share` of the tokens are teacher positions."""

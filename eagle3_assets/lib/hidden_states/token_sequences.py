@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_MAX_LENGTH = 4096
+from eagle3_assets.lib.hidden_states.settings import DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def build_sequences(
     rows: Iterable[Mapping[str, Any]],
     tokenizer: Any,
     template_kwargs: Mapping[str, Any] | None = None,
-    max_length: int = DEFAULT_MAX_LENGTH,
+    max_length: int = DEFAULTS.max_length,
 ) -> tuple[list[TokenSequence], list[TemplateMismatch]]:
     """Sequences for generation rows (sample_id, messages JSON, prompt_token_ids, token_ids).
 

@@ -66,16 +66,27 @@ class VLLMLaunchSpec:
         return self.run_dir / "server.log"
 
 
-def with_eagle3_drafter(
-    spec: VLLMLaunchSpec, drafter_dir: Path, num_speculative_tokens: int
-) -> VLLMLaunchSpec:
-    """`spec` serving the drafter in `drafter_dir` as its EAGLE-3 speculator."""
-    speculative = {
+def eagle3_speculative_config(drafter_dir: Path, num_speculative_tokens: int) -> dict:
+    """vLLM's `--speculative-config` for serving the drafter in `drafter_dir` as EAGLE-3."""
+    return {
         "method": "eagle3",
         "model": str(drafter_dir),
         "num_speculative_tokens": num_speculative_tokens,
     }
+
+
+def with_eagle3_drafter(
+    spec: VLLMLaunchSpec, drafter_dir: Path, num_speculative_tokens: int
+) -> VLLMLaunchSpec:
+    """`spec` serving the drafter in `drafter_dir` as its EAGLE-3 speculator."""
+    speculative = eagle3_speculative_config(drafter_dir, num_speculative_tokens)
     return dataclasses.replace(spec, speculative_config=speculative)
+
+
+def serve_line(model: str, drafter_dir: Path, num_speculative_tokens: int) -> str:
+    """The `vllm serve` line a user runs to serve `model` with the drafter, as measured."""
+    speculative = json.dumps(eagle3_speculative_config(drafter_dir, num_speculative_tokens))
+    return shlex.join(["vllm", "serve", model, "--speculative-config", speculative])
 
 
 def build_command(spec: VLLMLaunchSpec) -> list[str]:

@@ -14,6 +14,9 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class Reach(StrEnum):
@@ -116,9 +119,18 @@ def smoke_chat(
     max_tokens: int = 32,
     timeout_s: float = 120.0,
     api_key: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict:
-    """One greedy chat completion: proof the server generates, not only answers /health."""
-    payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    """One greedy chat completion: proof the server generates, not only answers /health.
+    `chat_template_kwargs` render the prompt as generation did (e.g. Kimi's thinking flag)."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if chat_template_kwargs is not None:
+        payload["chat_template_kwargs"] = chat_template_kwargs
     request = urllib.request.Request(
         f"{base_url.rstrip('/')}/v1/chat/completions",
         data=json.dumps(payload).encode(),
@@ -145,37 +157,15 @@ def smoke_chat(
 
 
 def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
-    """Prometheus text format -> {metric name: {sorted label pairs: value}}."""
+    """Prometheus text format -> {sample name: {sorted label pairs: value}}, by prometheus_client's
+    parser. Keyed by the sample's name, not the family's: a counter's samples keep their
+    `_total` (vLLM's names are looked up with it), a histogram's their `_bucket`/`_sum`."""
     metrics: dict[str, dict[Labels, float]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        if "{" in sample:
-            name, _, label_text = sample.partition("{")
-            labels = tuple(sorted(_parse_labels(label_text.rstrip("}"))))
-        else:
-            name, labels = sample, ()
-        try:
-            metrics.setdefault(name, {})[labels] = float(value)
-        except ValueError:
-            continue  # a timestamp column or an exotic line: not ours to interpret
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            metrics.setdefault(sample.name, {})[labels] = float(sample.value)
     return metrics
-
-
-def _parse_labels(text: str) -> list[tuple[str, str]]:
-    pairs = []
-    while text:
-        key, _, rest = text.partition('="')
-        value, i = [], 0
-        while i < len(rest) and rest[i] != '"':
-            if rest[i] == "\\" and i + 1 < len(rest):
-                i += 1
-            value.append(rest[i])
-            i += 1
-        pairs.append((key.strip().lstrip(","), "".join(value)))
-        text = rest[i + 1 :].lstrip(",").strip()
-    return pairs
 
 
 class ServerState(StrEnum):

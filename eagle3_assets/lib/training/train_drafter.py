@@ -8,8 +8,9 @@ export out; resumable, interruptible, data-parallel.
 - fp32 master weights and AdamW state; bf16 autocast on GPUs, fp32 on the CPU.
 - SIGINT/SIGTERM (a Dagster cancel) finish the current step, checkpoint and exit with
   `Interrupted`; the next run continues from there.
-- Under torchrun every rank reads its own slice of the same sample order and gradients are
-  averaged across ranks (gloo on CPU, NCCL on GPUs); rank 0 reports and writes.
+- Under torchrun every rank reads its own slice of the same sample order and
+  DistributedDataParallel averages the gradients during backward, bucket by bucket (gloo on
+  CPU, NCCL on GPUs); rank 0 reports and writes. One rank runs the drafter unwrapped.
 - A stable `holdout_fraction` of the samples (by id) is never trained on: `heldout_accuracy`
   measures any drafter on it, the offline view for users without a free serving GPU.
 """
@@ -33,15 +34,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.lib.checkpoint.drafter_io import (
-    check_fits_target,
     read_drafter,
     write_vllm_drafter,
 )
 from eagle3_assets.lib.core.atomic_files import write_atomically
-from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
+from eagle3_assets.lib.training.settings import DEFAULTS
 from eagle3_assets.lib.training.ttt import (
+    Batch,
     TargetHead,
     cosine_with_warmup,
     derive_vocab_maps,
@@ -68,19 +70,19 @@ class RunConfig:
     target: str  # the target's folder: config.json and safetensors (norm, lm_head, embed)
     out_dir: str
     steps: int
-    batch_size: int = 4  # samples per rank per step
-    ttt_length: int = 7
+    batch_size: int = DEFAULTS.batch_size  # samples per rank per step
+    ttt_length: int = DEFAULTS.ttt_length
     decay: float = 0.8
-    lr: float = 2e-5  # continued training; ~1e-4 from scratch
-    warmup_ratio: float = 0.015
+    lr: float = DEFAULTS.lr
+    warmup_ratio: float = DEFAULTS.warmup_ratio
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    checkpoint_every: int = 100
+    checkpoint_every: int = DEFAULTS.checkpoint_every
     shuffle_buffer: int = 64
-    seed: int = 0
+    seed: int = DEFAULTS.seed
     rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
     draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
-    holdout_fraction: float = 0.02  # samples (by id) kept out of training for heldout_accuracy
+    holdout_fraction: float = DEFAULTS.holdout_fraction  # kept out for heldout_accuracy
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -118,8 +120,7 @@ def _drafter(
     """The model to train and its aux ids: the warm start (its d2t/t2d kept unless the run
     re-derives them, lm_head rows following their tokens), or, without one, a fresh drafter
     shaped like the target at the layers the shards hold, its vocab from their responses."""
-    target = json.loads((Path(config.target) / "config.json").read_text())
-    target = target.get("text_config", target)
+    target = target_config(Path(config.target))
     if config.warm_start is None:
         model = Eagle3Drafter(scratch_config(target, config.draft_vocab_size), head.embed)
         d2t, t2d = derive_vocab_maps(
@@ -129,7 +130,11 @@ def _drafter(
         model.t2d.copy_(t2d)
         return model, tuple(reader.layer_ids["aux"])
     return load_drafter(
-        Path(config.warm_start), head, reader, target["num_hidden_layers"], config.rederive_vocab
+        Path(config.warm_start),
+        head,
+        reader,
+        TargetShape.from_fields(target),
+        config.rederive_vocab,
     )
 
 
@@ -137,13 +142,12 @@ def load_drafter(
     path: Path,
     head: TargetHead,
     reader: ShardReader,
-    target_num_layers: int,
+    target: TargetShape,
     rederive_vocab: bool = False,
 ) -> tuple[Eagle3Drafter, tuple[int, ...]]:
     """A saved drafter (SpecForge, speculators or our export) that fits the target and reads
     the layers the shards hold."""
-    checkpoint = read_drafter(path, target_num_layers)
-    check_fits_target(checkpoint, head.embed.shape[1], head.embed.shape[0])
+    checkpoint = read_drafter(path, target)  # validated for the target, as at download
     aux_ids = checkpoint.aux_layer_ids.fc_order
     if list(aux_ids) != reader.layer_ids["aux"]:
         raise LayerMismatch(
@@ -203,6 +207,33 @@ class _StopFlag:
             signal.signal(signum, handler)
 
 
+class _TTTObjective(torch.nn.Module):
+    """The TTT loss as a module's forward: DistributedDataParallel hooks a module's forward,
+    and the drafter has none (only `ttt` and `logits`)."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float) -> None:
+        super().__init__()
+        self.drafter, self.steps, self.decay = drafter, steps, decay
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
+        return ttt_loss(self.drafter, batch, self.steps, self.decay)
+
+
+def _objective(model: Eagle3Drafter, config: RunConfig, world: int) -> torch.nn.Module:
+    """The loss to back-propagate: on one rank the bare objective (bit-identical to calling
+    ttt_loss), on several wrapped in DistributedDataParallel, whose gradients come out of
+    backward averaged over the ranks. The buffers (vocab maps, the target's embedding, GBs for
+    a large target) are built alike on every rank and never trained: DDP neither broadcasts
+    them at the start nor before every forward. Gradients live in DDP's buckets (no copy)."""
+    objective = _TTTObjective(model, config.ttt_length, config.decay)
+    if world == 1:
+        return objective
+    parallel = torch.nn.parallel.DistributedDataParallel
+    buffers = [name for name, _ in objective.named_buffers()]
+    parallel._set_params_and_buffers_to_ignore_for_model(objective, buffers)
+    return parallel(objective, gradient_as_bucket_view=True)
+
+
 def train(
     config: RunConfig, report: Callable[[dict], None] = lambda metrics: None
 ) -> TrainingResult:
@@ -235,6 +266,7 @@ def train(
     out_dir = Path(config.out_dir)
     progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
     samples = _samples(reader, progress)
+    objective = _objective(model, config, world)
     stop = _StopFlag()
     started = time.monotonic()
     try:
@@ -242,27 +274,25 @@ def train(
             batch_samples = [next(samples) for _ in range(config.batch_size)]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                loss, losses, hits, counts = ttt_loss(model, batch, config.ttt_length, config.decay)
+                loss, losses, hits, counts = objective(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             losses = [float(loss.detach()), *losses]
-            if world > 1:  # losses: the mean of the ranks' means; hits and counts: sums
-                for p in parameters:
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
-                summed = torch.tensor([*losses, *hits, *counts], device=device)
+            tokens = sum(len(s.input_ids) for s in batch_samples)
+            if world > 1:  # losses: the mean of the ranks' means; hits, counts, tokens: sums
+                summed = torch.tensor([*losses, *hits, *counts, tokens], device=device)
                 dist.all_reduce(summed)
                 summed = summed.tolist()
                 steps = config.ttt_length
                 losses = [value / world for value in summed[: 1 + steps]]
-                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps :]
+                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps : -1]
+                tokens = int(summed[-1])  # each rank's own samples, not rank 0's times world
             loss_value, losses = losses[0], losses[1:]
             accuracies = [h / max(c, 1) for h, c in zip(hits, counts, strict=True)]
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
             optimizer.step()
             schedule.step()
             progress.step += 1
-            tokens = sum(len(s.input_ids) for s in batch_samples) * world
             progress.tokens += tokens
             metrics = {
                 "step": progress.step,
@@ -320,8 +350,7 @@ def heldout_accuracy(
         shuffle_buffer=1,
         select=lambda sample_id: held_out(sample_id, holdout_fraction),
     )
-    layers = TargetShape.from_config(target).num_hidden_layers
-    model, _ = load_drafter(drafter, head, reader, layers)
+    model, _ = load_drafter(drafter, head, reader, TargetShape.from_config(target))
     model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
@@ -421,7 +450,8 @@ def distributed() -> Iterator[None]:
 
 
 def training_metadata(config: RunConfig, result: TrainingResult) -> dict:
-    """What the finished run reports: numbers a user compares across runs."""
+    """What the finished run reports: numbers a user compares across runs. No serve line:
+    drafter_evaluation gives it, with the speculative tokens it measured."""
     last = result.history[-1] if result.history else {}
     return {
         "steps": result.steps,
@@ -433,9 +463,6 @@ def training_metadata(config: RunConfig, result: TrainingResult) -> dict:
         "loss_curve": [round(m["loss"], 4) for m in result.history],
         "checkpoint": str(result.checkpoint),
         "export": str(result.export),
-        "serve_with": json.dumps(
-            {"method": "eagle3", "model": str(result.export), "num_speculative_tokens": 3}
-        ),
         "lr": config.lr,
         "ttt_length": config.ttt_length,
     }

@@ -13,7 +13,6 @@ average their own samples give the single-process gradient).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from eagle3_assets.lib.core.target import target_config
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter
 
@@ -40,8 +40,7 @@ class TargetHead:
     }
 
     def __init__(self, target_dir: Path) -> None:
-        config = json.loads((target_dir / "config.json").read_text())
-        config = config.get("text_config", config)
+        config = target_config(target_dir)
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         found = self._read(target_dir)
         if "lm_head" not in found and config.get("tie_word_embeddings"):

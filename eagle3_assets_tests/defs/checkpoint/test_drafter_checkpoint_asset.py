@@ -4,8 +4,16 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
-from eagle3_assets.localdev.hub import LOCAL_DRAFTER_REPO
-from eagle3_assets.resources import DrafterHub, Storage, TargetModel
+from eagle3_assets.defs.checkpoint.resources import DrafterHub
+from eagle3_assets.localdev.hub import (
+    LOCAL_DRAFTER_REPO,
+    make_untrained_drafter,
+    publish_to_hub_cache,
+)
+from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets_tests.lib.checkpoint.layouts import speculators_dir
+
+SPECULATORS_REPO = "local/target-v1-speculators-eagle3"
 
 
 @pytest.fixture
@@ -39,6 +47,30 @@ def test_downloads_and_validates(test_world, test_hub, tmp_path, offline):
     assert meta["parameters"] > 0 and meta["bytes"] > 0
     downloaded = sorted(p.name for p in (tmp_path / "drafter" / "warm_start").iterdir())
     assert downloaded == ["config.json", "model.safetensors"]  # never training_state.pt
+
+
+def test_a_speculators_drafter_downloads_and_validates(test_world, tmp_path, offline):
+    """speculators 0.9.0's layout used to fail here with 17 problems though training read it."""
+    specforge = make_untrained_drafter(test_world.target_v1, tmp_path / "specforge", 256, seed=0)
+    repo = speculators_dir(specforge, tmp_path / "repo")
+    cache = tmp_path / "hub"
+    publish_to_hub_cache(repo, cache, SPECULATORS_REPO)
+    hub = DrafterHub(repo_id=SPECULATORS_REPO, revision="main", cache_dir=str(cache))
+    result = dg.materialize(
+        [drafter_checkpoint],
+        resources={
+            **resources(cache, tmp_path, test_world.target_v2),
+            "drafter_hub": hub,
+        },
+    )
+    assert result.success
+    (event,) = result.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.materialization.metadata.items()}
+    assert meta["layout"] == "speculators"
+    assert meta["aux_layer_ids_vllm"] == "[2, 4, 5]"  # top-level, vLLM convention
+    assert meta["aux_layer_ids_sglang"] == "[1, 3, 4]"
+    assert (meta["hidden_size"], meta["vocab_size"], meta["draft_vocab_size"]) == (64, 1024, 256)
+    assert "| layers.0.self_attn.q_proj.weight | F32 | [64, 128] |" in meta["tensors"]
 
 
 def test_unknown_revision_fails_with_repo_and_revision(test_world, test_hub, tmp_path, offline):

@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 from eagle3_assets.definitions import defs
 from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_drafter
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_env
+from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.evaluation.evaluate import comparison_table
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env
 from eagle3_assets_tests.conftest import free_port
 
 pytestmark = pytest.mark.vllm
@@ -162,30 +164,48 @@ def test_sensors_drive_the_graph_to_an_evaluated_drafter(evaluated, story, test_
 def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story, test_world):
     _, instance = story
     meta = metadata(instance, "drafter_evaluation")
-    print(meta["comparison"])  # shown by `pytest -rP`
+    rows = [record.data for record in meta["comparison"].records]
+    print(comparison_table(rows))  # shown by `pytest -rP`
     finetuned, warm = meta["mean_acceptance_length"], meta["mean_acceptance_length_warm_start"]
     assert finetuned > warm + 0.1, (finetuned, warm)
-    assert 0 < meta["acceptance_rate"] <= 1
-    assert len(json.loads(meta["per_position"])) == 3  # one rate per speculative token
-    assert meta["heldout_prompts"] == len(test_world.heldout_prompts.read_text().splitlines())
-    assert meta["speedup"] > 0
     # the table: both prompt sets, three servers each, numbers from /metrics
-    rows = [r for r in meta["comparison"].splitlines() if r.startswith("| held-out")]
-    assert [r.split(" | ")[1] for r in rows] == ["without drafter", "warm start", "finetuned"]
-    assert sum(r.startswith("| extra |") for r in meta["comparison"].splitlines()) == 3
+    by = {(row["prompt set"], row["server"]): row for row in rows}
+    servers = ["without drafter", "warm start", "finetuned"]
+    assert [row["server"] for row in rows if row["prompt set"] == "held-out"] == servers
+    assert sorted(by) == sorted((s, server) for s in ("extra", "held-out") for server in servers)
+    plain, before, after = (by[("held-out", server)] for server in servers)
+    # the headline numbers are the held-out rows', and agree with one another
+    assert after["mean acceptance length"] == finetuned
+    assert before["mean acceptance length"] == warm
+    assert after["per position"] == ", ".join(f"{p:.3f}" for p in meta["per_position"])
+    assert len(meta["per_position"]) == 3  # one rate per speculative token
+    assert finetuned == pytest.approx(1 + sum(meta["per_position"]), abs=0.002)  # 1 + acc/drafts
+    assert after["acceptance rate"] == pytest.approx(meta["acceptance_rate"], abs=6e-4)
+    assert after["output tokens/s"] == meta["output_tokens_per_s"]
+    ratio = meta["output_tokens_per_s"] / plain["output tokens/s"]
+    assert meta["speedup"] == pytest.approx(ratio, rel=2e-3)
+    assert after["speedup"] == pytest.approx(meta["speedup"], abs=0.005)
+    assert (plain["acceptance rate"], plain["per position"], plain["speedup"]) == (None, "", 1.0)
+    assert meta["heldout_prompts"] == len(test_world.heldout_prompts.read_text().splitlines())
+    assert {row["prompts"] for row in rows if row["prompt set"] == "held-out"} == {
+        meta["heldout_prompts"]
+    }
     assert meta["per_position_acceptance"].startswith("![per-position acceptance")
     assert "| finetuned | " in meta["training_time_accuracy"]
     assert "not acceptance" in meta["training_time_accuracy"]
-    serve = meta["serve_with"]
-    assert f'--speculative-config \'{{"method": "eagle3", "model": "{meta["export"]}"' in (serve)
+    config = json.dumps({"method": "eagle3", "model": meta["export"], "num_speculative_tokens": 3})
+    assert meta["serve_with"] == (
+        f"vllm serve {test_world.target_v2} --speculative-config '{config}'"
+    )
     (check,) = evaluated["runs"]["drafter_evaluation"].get_asset_check_evaluations()
     assert check.check_name == "beats_warm_start" and check.passed
+    assert check.metadata["served_aux_layers"].value == [2, 4, 5]
 
 
-def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story):
+def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, test_world):
     definitions, instance = story
     export = Path(metadata(instance, "eagle3_drafter")["export"])
-    good = read_drafter(export, 8)
+    good = read_drafter(export, TargetShape.from_config(test_world.target_v2))
     assert good.aux_layer_ids.vllm == (2, 4, 5)
     tensors = load_file(export / "model.safetensors")
     write_vllm_drafter(export, good.config, tensors, (0, 1, 3))  # same weights, wrong layers
@@ -196,8 +216,8 @@ def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story):
     # vLLM's own log line is the evidence: it fed the drafter the wrong layers. (On this tiny
     # target the residual streams of nearby layers are alike, so acceptance hardly drops; on
     # a big one it collapses. The check does not wait for that to show.)
-    assert evaluation.metadata["served_aux_layers"].value == "[0, 1, 3]"
-    assert evaluation.metadata["trained_aux_layers"].value == "[2, 4, 5]"
+    assert evaluation.metadata["served_aux_layers"].value == [0, 1, 3]
+    assert evaluation.metadata["trained_aux_layers"].value == [2, 4, 5]
     assert "fix eagle_aux_hidden_state_layer_ids" in evaluation.description
     assert not run.success, "a failed blocking check fails the run"
     logs = [r.user_message for r in instance.all_logs(run.run_id)]

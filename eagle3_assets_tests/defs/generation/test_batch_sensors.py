@@ -6,9 +6,9 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.definitions import defs
-from eagle3_assets.defs.generation.sensors import batch_backfill_schedule, new_batches_sensor
+from eagle3_assets.defs.generation.resources import PromptPool
+from eagle3_assets.defs.generation.sensors import new_batches_sensor
 from eagle3_assets.partitions import sample_batches
-from eagle3_assets.resources import PromptPool
 
 
 def write_pool(path, count: int) -> None:
@@ -85,7 +85,7 @@ def schedule_tick(instance):
     SkipReason."""
     repository = defs().get_repository_def()
     context = dg.build_schedule_context(instance=instance, repository_def=repository)
-    data = batch_backfill_schedule.evaluate_tick(context)
+    data = repository.get_schedule_def("batch_backfill_schedule").evaluate_tick(context)
     return dg.SkipReason(data.skip_message) if data.skip_message else data.run_requests
 
 

@@ -11,9 +11,9 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_assets.definitions import resources_from_env
 from eagle3_assets.defs.generation.assets import synthetic_generations
 from eagle3_assets.lib.serving.vllm_probe import fetch_metrics
-from eagle3_assets.resources import resources_from_env
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[3]

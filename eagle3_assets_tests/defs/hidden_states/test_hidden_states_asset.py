@@ -8,11 +8,11 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_assets.definitions import resources_from_env
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.generation.assets import synthetic_generations
 from eagle3_assets.defs.hidden_states.assets import hidden_states
 from eagle3_assets.lib.hidden_states.shard_format import ShardFile
-from eagle3_assets.resources import resources_from_env
 
 pytestmark = pytest.mark.vllm
 BATCH = "batch-00000"

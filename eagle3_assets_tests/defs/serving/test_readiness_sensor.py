@@ -5,8 +5,8 @@ import json
 import dagster as dg
 import pytest
 
+from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.serving.sensors import vllm_readiness_sensor
-from eagle3_assets.resources import VLLMServer
 from eagle3_assets_tests.fault_server import FaultServer, closed_port_url
 
 MODEL = "tiny-target"

@@ -2,7 +2,7 @@ import dagster as dg
 import pytest
 
 from eagle3_assets.defs.serving.assets import served_target
-from eagle3_assets.resources import VLLMServer
+from eagle3_assets.defs.serving.resources import VLLMServer
 
 pytestmark = pytest.mark.vllm
 

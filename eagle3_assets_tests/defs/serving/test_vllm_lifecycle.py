@@ -8,16 +8,12 @@ import time
 import dagster as dg
 import pytest
 
+from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.serving.sensors import vllm_readiness_sensor
 from eagle3_assets.lib.serving.vllm_launcher import group_members, start, stop, wait_ready
-from eagle3_assets.localdev.demo import (
-    SERVED_TARGET_NAME,
-    follow_launch,
-    miniature_env,
-    miniature_server,
-    running_daemon,
-)
-from eagle3_assets.resources import VLLMServer
+from eagle3_assets.localdev.demo import follow_launch
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env, miniature_server
+from eagle3_assets.localdev.processes import running_daemon
 from eagle3_assets_tests.conftest import free_port
 
 pytestmark = pytest.mark.vllm

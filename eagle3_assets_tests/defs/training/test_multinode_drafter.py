@@ -11,8 +11,13 @@ import time
 from pathlib import Path
 
 import dagster as dg
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
 from transformers import AutoTokenizer
 
+from eagle3_assets.definitions import resources_from_env
+from eagle3_assets.defs.hidden_states.assets import CHECKS
 from eagle3_assets.defs.training.assets import eagle3_drafter
 from eagle3_assets.lib.core.layer_ids import default_aux_layers
 from eagle3_assets.lib.hidden_states.extract import (
@@ -26,7 +31,6 @@ from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
 from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import make_untrained_drafter
-from eagle3_assets.resources import resources_from_env
 from eagle3_assets_tests.conftest import free_port
 
 BATCH = "batch-00000"
@@ -52,6 +56,23 @@ def extract(world, data_root: Path) -> None:
     make_untrained_drafter(target, data_root / "drafter" / "warm_start", 256, seed=0)
 
 
+def report_checked_batch(instance: dg.DagsterInstance, batch: str) -> None:
+    """What an extraction outside Dagster reports: the batch, then its checks against it
+    (eagle3_drafter trains only on batches whose every check passed)."""
+    key = dg.AssetKey("hidden_states")
+    instance.report_runless_asset_event(dg.AssetMaterialization(key, partition=batch))
+    (record,) = instance.fetch_materializations(key, limit=1).records
+    target = AssetCheckEvaluationTargetMaterializationData(
+        storage_id=record.storage_id, run_id=record.run_id, timestamp=record.timestamp
+    )
+    for name in CHECKS:
+        instance.report_runless_asset_event(
+            dg.AssetCheckEvaluation(
+                key, name, passed=True, target_materialization_data=target, partition=batch
+            )
+        )
+
+
 def test_two_nodes_train_and_node_0_reports_through_pipes(test_world, tmp_path):
     data_root = tmp_path / "data"
     extract(test_world, data_root)
@@ -68,7 +89,7 @@ def test_two_nodes_train_and_node_0_reports_through_pipes(test_world, tmp_path):
     }
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("sample_batches", [BATCH])
-    instance.report_runless_asset_event(dg.AssetMaterialization("hidden_states", partition=BATCH))
+    report_checked_batch(instance, BATCH)
 
     node1: list[subprocess.CompletedProcess] = []
 

@@ -5,9 +5,10 @@ and the environment variables that choose and configure it."""
 import pytest
 from dagster_k8s.pipes import build_pod_body
 
+from eagle3_assets.definitions import resources_from_env
+from eagle3_assets.defs.training.resources import TrainingLauncher
 from eagle3_assets.lib.training.k8s_pod import training_pod_spec
 from eagle3_assets.lib.training.torchrun import torchrun_command
-from eagle3_assets.resources import TrainingLauncher, resources_from_env
 
 ENV = {
     "EAGLE3_TRAINING_LAUNCHER": "k8s",
@@ -116,9 +117,11 @@ def test_a_k8s_launcher_without_image_or_volume_is_refused(launcher, message):
         launcher.k8s_run_args(["python"], 1, "/data", "/app")
 
 
-def test_an_unknown_launcher_is_refused_by_name():
-    with pytest.raises(ValueError, match="expected subprocess or k8s, found 'slurm'"):
-        TrainingLauncher(kind="slurm").run(None, ["python"], gpus=1, data_root="/data")
+def test_an_unknown_launcher_is_refused_by_name_at_load():
+    with pytest.raises(
+        ValueError, match="EAGLE3_TRAINING_LAUNCHER: expected 'subprocess' or 'k8s', found 'slurm'"
+    ):
+        resources_from_env({"EAGLE3_TRAINING_LAUNCHER": "slurm"})
 
 
 def test_a_relative_data_root_cannot_be_mounted():

@@ -1,7 +1,9 @@
 """The drafter download against a real hub cache read by the real client, offline, and the
-validation of every contract field. Targets and drafters here are tiny and built per module."""
+validation it is followed by (drafter_io's, the one training and export run), field by field.
+Targets and drafters here are tiny and built per module."""
 
 import json
+import pickle
 import pydoc_data.topics
 import shutil
 import time
@@ -16,15 +18,17 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from eagle3_assets.lib.checkpoint import drafter_checkpoint
-from eagle3_assets.lib.checkpoint.drafter_checkpoint import (
-    DrafterDownloadError,
+from eagle3_assets.lib.checkpoint.drafter_checkpoint import DrafterDownloadError, download_drafter
+from eagle3_assets.lib.checkpoint.drafter_io import (
+    SPECFORGE,
+    SPECULATORS,
     DrafterValidationError,
-    download_drafter,
     validate_drafter,
 )
 from eagle3_assets.lib.core.layer_ids import LayerIdSource
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.localdev.hub import make_untrained_drafter, publish_to_hub_cache
+from eagle3_assets_tests.lib.checkpoint.layouts import speculators_dir
 
 REPO_ID = "tiny-org/tiny-target-eagle3"
 TARGET = TargetShape(hidden_size=64, vocab_size=512, num_hidden_layers=8)
@@ -105,12 +109,14 @@ def test_offline_download_gets_config_and_weights_only_and_validates(hub, tmp_pa
     assert (path, resolved) == (tmp_path / "drafter", sha)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
     info = validate_drafter(path, TARGET)
+    assert info.source_format == SPECFORGE
     assert info.architectures == ["LlamaForCausalLMEagle3"]
     assert (info.hidden_size, info.vocab_size, info.draft_vocab_size) == (64, 512, DRAFT_VOCAB)
     assert info.aux_layer_ids_vllm == (2, 4, 5)
     assert info.aux_layer_ids_sglang == (1, 3, 4)
     assert info.aux_layer_ids_source is LayerIdSource.NESTED
-    assert (info.num_attention_heads, info.num_key_value_heads, info.head_dim) == (2, 1, 32)
+    config = info.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 1, 32)
     assert info.tensors["fc.weight"] == ("F32", (64, 192))
     assert info.tensors["d2t"] == ("I64", (DRAFT_VOCAB,))
     weights = load_file(path / "model.safetensors")
@@ -199,11 +205,34 @@ def test_a_client_error_is_not_retried(hub, tmp_path, monkeypatch):
     assert len(calls) == 1
 
 
-def test_pickles_are_rejected(drafter_dir):
-    with pytest.raises(
-        DrafterValidationError, match=r"files: expected no pickles, found training_state\.pt"
-    ):
-        validate_drafter(drafter_dir, TARGET)
+def test_a_speculators_drafter_downloads_and_validates(drafter_dir, tmp_path, monkeypatch):
+    """speculators 0.9.0's layout (layers.0.*, transformer_layer_config, embed_tokens saved):
+    the download's validator refused it with 17 problems while training read it bit-exactly."""
+    cache = tmp_path / "hub"
+    repo = speculators_dir(drafter_dir, tmp_path / "repo")
+    sha = publish_to_hub_cache(repo, cache, "tiny-org/tiny-target-speculators")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path, resolved = download_drafter(
+        "tiny-org/tiny-target-speculators", "main", tmp_path / "drafter", cache_dir=cache
+    )
+    assert resolved == sha
+    info = validate_drafter(path, TARGET)
+    assert info.source_format == SPECULATORS
+    assert info.architectures == ["Eagle3DraftModel"]
+    assert (info.hidden_size, info.vocab_size, info.draft_vocab_size) == (64, 512, DRAFT_VOCAB)
+    assert info.aux_layer_ids_vllm == (2, 4, 5)
+    assert info.aux_layer_ids_source is LayerIdSource.TOP_LEVEL
+    assert info.num_parameters == validate_drafter(drafter_dir, TARGET).num_parameters
+
+
+def test_a_pickle_beside_the_weights_is_never_opened(drafter_dir, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was opened")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    assert (drafter_dir / "training_state.pt").exists()
+    assert validate_drafter(drafter_dir, TARGET).aux_layer_ids_vllm == (2, 4, 5)
 
 
 def _bump(name: str, index: int) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -225,23 +254,17 @@ VALIDATION_FAILURES = {
     "hidden-size": (
         TargetShape(96, 512, 8),
         {},
-        [
-            "hidden_size: expected 96 (target), found 64 in config.json",
-            "fc.weight: expected shape [96, 288], found shape [64, 192] in model.safetensors",
-        ],
+        ["hidden_size: expected 96 (target), found 64"],
     ),
     "vocab": (
         TargetShape(64, 1024, 8),
         {},
-        [
-            "vocab_size: expected 1024 (target), found 512 in config.json",
-            "t2d: expected shape [1024], found shape [512] in model.safetensors",
-        ],
+        ["vocab_size: expected 1024 (target), found 512"],
     ),
     "fc-shape": (
         TARGET,
         {"tensors_edit": _set("fc.weight", torch.zeros(64, 128))},
-        ["fc.weight: expected shape [64, 192], found shape [64, 128] in model.safetensors"],
+        ["fc.weight: expected shape [64, 192], found [64, 128]"],
     ),
     "d2t-inconsistent": (
         TARGET,
@@ -259,32 +282,37 @@ VALIDATION_FAILURES = {
     "d2t-dtype": (
         TARGET,
         {"tensors_edit": lambda t: t.__setitem__("d2t", t["d2t"].int())},
-        ["d2t: expected dtype I64, found dtype I32 in model.safetensors"],
+        ["d2t: expected dtype torch.int64, found torch.int32"],
     ),
     "missing-tensor": (
         TARGET,
         {"tensors_edit": lambda t: t.pop("lm_head.weight")},
-        ["lm_head.weight: expected a tensor, found none in *.safetensors"],
+        ["tensors: expected ['lm_head.weight'], found none of them"],
     ),
     "draft-vocab": (
         TARGET,
         {"config_edit": _set("draft_vocab_size", 100)},
         [
-            "lm_head.weight: expected shape [100, 64], found shape [128, 64] in model.safetensors",
-            "d2t: expected shape [100], found shape [128] in model.safetensors",
+            "lm_head.weight: expected shape [100, 64], found [128, 64]",
+            "d2t: expected shape [100], found [128]",
         ],
     ),
     "architecture": (
         TARGET,
         {"config_edit": _set("architectures", ["LlamaForCausalLM"])},
-        ["architectures: expected LlamaForCausalLMEagle3, found ['LlamaForCausalLM']"],
+        [
+            "architectures: expected one of ['LlamaForCausalLMEagle3', 'Eagle3LlamaForCausalLM'], "
+            "found ['LlamaForCausalLM']"
+        ],
     ),
     "layer-ids-out-of-range": (
-        TargetShape(64, 512, 5),
+        TargetShape(64, 512, 4),
         {},
         [
-            "aux layer ids: expected vLLM ids in [1, 4] (target has 5 layers), found [2, 4, 5] "
-            "from eagle_config.eagle_aux_hidden_state_layer_ids (SGLang convention)"
+            "eagle_aux_hidden_state_layer_ids [5]: expected vLLM ids in [1, 4] (the target has 4 "
+            "layers;",
+            "found [2, 4, 5] (vLLM ids) from eagle_config.eagle_aux_hidden_state_layer_ids "
+            "(SGLang convention)",
         ],
     ),
     "layer-ids-contradict": (
@@ -299,9 +327,10 @@ VALIDATION_FAILURES = {
         TargetShape(96, 512, 8),
         {"tensors_edit": lambda t: t.pop("norm.weight"), "config_edit": _set("vocab_size", 9)},
         [
-            "hidden_size: expected 96 (target), found 64 in config.json",
-            "vocab_size: expected 512 (target), found 9 in config.json",
-            "norm.weight: expected a tensor, found none in *.safetensors",
+            "hidden_size: expected 96 (target), found 64",
+            "vocab_size: expected 512 (target), found 9",
+            "tensors: expected ['norm.weight'], found none of them",
+            "t2d: expected shape [9], found [512]",
         ],
     ),
 }
@@ -326,17 +355,6 @@ def test_top_level_vllm_ids_validate_like_nested_sglang_ids(drafter_dir, tmp_pat
     info = validate_drafter(edited_copy(drafter_dir, tmp_path / "top", to_top_level), TARGET)
     assert info.aux_layer_ids_vllm == (2, 4, 5)
     assert info.aux_layer_ids_source is LayerIdSource.TOP_LEVEL
-
-
-def test_target_shape_reads_dirs_files_and_text_config(target_dir, tmp_path):
-    assert TargetShape.from_config(target_dir) == TARGET
-    assert TargetShape.from_config(target_dir / "config.json") == TARGET
-    multimodal = {
-        "architectures": ["KimiK25"],
-        "text_config": {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61},
-    }
-    (tmp_path / "config.json").write_text(json.dumps(multimodal))
-    assert TargetShape.from_config(tmp_path) == TargetShape(7168, 163840, 61)
 
 
 def test_publishing_the_same_files_gives_the_same_sha(drafter_dir, tmp_path):

@@ -3,6 +3,7 @@ import pytest
 from eagle3_assets.lib.core.layer_ids import (
     LayerIdSource,
     aux_layer_ids,
+    check_layer_ids,
     default_aux_layers,
     sglang_to_vllm,
     vllm_to_sglang,
@@ -58,3 +59,21 @@ def test_ids_must_be_a_list_of_ints():
 def test_fc_order_is_vllms_sorted_unique_ids():
     ids = aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [30, 2, 58, 30]}, 61)
     assert ids.vllm == (30, 2, 58, 30) and ids.fc_order == (2, 30, 58)
+
+
+@pytest.mark.parametrize(
+    ("ids", "bad"),
+    [((1, 4, 8), []), ((0, 4, 5), [0]), ((2, 4, 9), [9]), ((-1, 9), [-1, 9])],
+    ids=["first-and-last-layer-outputs", "embeddings", "past-the-target", "both-ends"],
+)
+def test_one_range_for_vllm_ids(ids, bad):
+    """[1, N]: id N (the last layer's output, extraction's final state) is in, id 0 (the
+    embeddings, which DeepSeek-V2 targets such as Kimi cannot capture in vLLM) is out."""
+    if not bad:
+        check_layer_ids(ids, 8)
+        return
+    with pytest.raises(ValueError) as raised:
+        check_layer_ids(ids, 8, "aux")
+    message = str(raised.value)
+    assert message.startswith(f"aux {bad}: expected vLLM ids in [1, 8] (the target has 8 layers;")
+    assert message.endswith(f"found {list(ids)}")

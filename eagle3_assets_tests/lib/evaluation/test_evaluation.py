@@ -1,21 +1,29 @@
 """The evaluation's arithmetic and verdicts on hand-made counter deltas (real vLLM numbers:
 defs/evaluation/test_whole_graph.py)."""
 
+import json
+import shlex
 from pathlib import Path
 
 import pytest
 
+from eagle3_assets.definitions import resources_from_env
 from eagle3_assets.lib.evaluation.acceptance import Acceptance
 from eagle3_assets.lib.evaluation.evaluate import (
     BASELINE,
+    COMPARISON_COLUMNS,
+    Contender,
+    EvaluationSettings,
     Measurement,
+    comparison_rows,
     comparison_table,
     per_position_chart,
     served_aux_layers,
+    serving_spec,
     speedup,
     verdict,
 )
-from eagle3_assets.resources import resources_from_env
+from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, serve_line
 
 LAYERS = (2, 4, 5)
 
@@ -53,10 +61,29 @@ def test_rates_lengths_and_speedup(measurements):
 
 
 def test_table_has_a_row_per_server_with_its_numbers(measurements):
-    rows = comparison_table(measurements).splitlines()
-    assert len(rows) == 2 + 3
-    assert rows[2] == "| held-out | without drafter | 5 | 1.000 | - | - | 100.0 | 1.00x |"
-    assert rows[4] == (
+    rows = comparison_rows(measurements)
+    assert [tuple(row) for row in rows] == [tuple(COMPARISON_COLUMNS)] * 3
+    assert rows[0] == {
+        "prompt set": "held-out",
+        "server": "without drafter",
+        "prompts": 5,
+        "mean acceptance length": 1.0,
+        "acceptance rate": None,
+        "per position": "",
+        "output tokens/s": 100.0,
+        "speedup": 1.0,
+    }
+    assert rows[2]["per position"] == "0.600, 0.300, 0.100"
+    assert (rows[2]["acceptance rate"], rows[2]["speedup"]) == (0.333, 1.5)
+    # the terminal's markdown (the demo prints it) keeps its digits
+    lines = comparison_table(rows).splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[0] == (
+        "| prompt set | server | prompts | mean acceptance length | acceptance rate "
+        "| per position | output tokens/s | speedup |"
+    )
+    assert lines[2] == "| held-out | without drafter | 5 | 1.000 | - | - | 100.0 | 1.00x |"
+    assert lines[4] == (
         "| held-out | finetuned | 5 | 2.000 | 0.333 | 0.600, 0.300, 0.100 | 150.0 | 1.50x |"
     )
     chart = per_position_chart(measurements, "held-out")
@@ -97,5 +124,25 @@ def test_prompt_sets_come_by_name_and_a_bad_item_is_named():
         "mt-bench": "/p/mt.jsonl",
         "gsm8k": "hf://datasets/o/g/t.jsonl",
     }
-    with pytest.raises(ValueError, match=r"EAGLE3_EVAL_PROMPT_SETS: .* found 'humaneval'"):
+    with pytest.raises(
+        ValueError, match=r"EAGLE3_EVAL_PROMPT_SETS: expected name=path items.*'humaneval'"
+    ):
         resources_from_env({"EAGLE3_EVAL_PROMPT_SETS": "mt-bench=/p/mt.jsonl,humaneval"})
+
+
+def test_the_serve_line_serves_the_drafter_as_it_was_measured(tmp_path: Path):
+    spec = VLLMLaunchSpec(model="/m/target", python=Path("/v/bin/python"), run_dir=tmp_path)
+    settings = EvaluationSettings(num_speculative_tokens=5)
+    served = serving_spec(spec, Contender("finetuned", Path("/d/export")), settings)
+    line = serve_line("/m/target", Path("/d/export"), settings.num_speculative_tokens)
+    command, _, config = line.partition(" --speculative-config ")
+    assert command == "vllm serve /m/target"
+    assert (
+        json.loads(shlex.split(config)[0])
+        == served.speculative_config
+        == {
+            "method": "eagle3",
+            "model": "/d/export",
+            "num_speculative_tokens": 5,
+        }
+    )

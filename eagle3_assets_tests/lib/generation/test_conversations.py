@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pyarrow as pa
@@ -14,7 +15,6 @@ from eagle3_assets.lib.generation.conversations import (
     parse_batch_key,
     prompt_id_for,
 )
-from eagle3_assets.localdev.prompts import prompt_id as localdev_prompt_id
 
 
 def user(text):
@@ -47,10 +47,20 @@ def test_messages_jsonl_drops_the_final_assistant_turn_and_keeps_ids(tmp_path):
     assert pool[2] == Conversation(prompt_id_for(expected), expected)
 
 
-def test_hash_ids_match_the_miniature_worlds_pool():
+def test_hash_ids_are_the_content_hash_whatever_the_key_order():
     messages = [user("Tell me about the 'if' statement.")]
-    assert prompt_id_for(messages) == localdev_prompt_id(messages)
-    assert len(prompt_id_for(messages)) == 12
+    payload = '[{"content": "Tell me about the \'if\' statement.", "role": "user"}]'
+    assert prompt_id_for(messages) == hashlib.sha256(payload.encode()).hexdigest()[:12]
+    assert prompt_id_for([{"content": messages[0]["content"], "role": "user"}]) == (
+        prompt_id_for(messages)
+    )
+
+
+def test_an_empty_pool_is_refused_by_name(tmp_path):
+    empty = tmp_path / "pool.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConversationError, match=r"pool\.jsonl: no conversations"):
+        load_conversations(empty)
 
 
 def test_sharegpt_jsonl_and_json_array(tmp_path):

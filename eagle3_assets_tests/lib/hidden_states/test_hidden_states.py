@@ -16,10 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_assets.lib.core.atomic_files import file_sha256
 from eagle3_assets.lib.core.layer_ids import aux_layer_ids
+from eagle3_assets.lib.hidden_states.backends import VLLMExtraction, open_backend
 from eagle3_assets.lib.hidden_states.extract import (
     MANIFEST,
     PROGRESS,
     ExtractionSettings,
+    ExtractionSummary,
     LayerSelection,
     StorageBudgetError,
     extract_batch,
@@ -39,8 +41,6 @@ from eagle3_assets.lib.hidden_states.shard_format import (
 )
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
 from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
-from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
-from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets_tests.conftest import free_port
 
@@ -431,40 +431,42 @@ def test_verify_batch_finds_rot_foreign_tokens_and_missing_samples(
 
 @pytest.mark.vllm
 def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequences, tmp_path):
-    """One real extraction server (vLLM's extract_hidden_states + our CPU connector): its
-    states, converted into shards, equal the hf backend's, and the raw files are gone."""
-    serving = VLLMLaunchSpec(
-        model=str(test_world.target_v2),
+    """One real extraction server (vLLM's extract_hidden_states + our CPU connector), opened
+    from plain settings as the asset opens it: its states, converted into shards, equal the hf
+    backend's, and the raw files are gone."""
+    vllm = VLLMExtraction(
         python=serving_python,
         run_dir=tmp_path / "server",
         port=free_port(),
         max_model_len=512,
-        dtype="float32",
-        enforce_eager=True,
-        cpu_kvcache_gib=1,
+        load_timeout_s=600,
+        extra_args=("--enforce-eager",),
     )
     layers = LayerSelection(aux=(5, 2, 4), final=N_LAYERS, source="test")  # unsorted on purpose
     settings = ExtractionSettings(ShardFormat("bf16", "bf16"), shard_bytes=20_000)
-    via_vllm = extract_batch(
-        sequences,
-        tmp_path / "vllm",
-        lambda: extraction_server(serving, layers.ids, 64, cpu_build=True, load_timeout_s=600),
-        layers,
-        64,
-        settings,
-        {},
-    )
+
+    def extract(backend: str) -> ExtractionSummary:
+        return extract_batch(
+            sequences,
+            tmp_path / backend,
+            lambda: open_backend(
+                backend, str(test_world.target_v2), layers.ids, 64, "float32", "cpu", False, vllm
+            ),
+            layers,
+            64,
+            settings,
+            {},
+        )
+
+    via_vllm = extract("vllm")
     assert via_vllm.samples == len(sequences) and via_vllm.nonfinite == 0
     assert list((tmp_path / "server" / "hidden_states").iterdir()) == []  # raw files removed
-    extract_batch(
-        sequences,
-        tmp_path / "hf",
-        lambda: HFTarget(test_world.target_v2, layers.ids, dtype="float32", device="cpu"),
-        layers,
-        64,
-        settings,
-        {},
-    )
+    argv = json.loads((tmp_path / "server" / "launch.json").read_text())["argv"]
+    assert argv[argv.index("--model") + 1] == str(test_world.target_v2)
+    assert argv[argv.index("--max-model-len") + 1] == "512" and "--enforce-eager" in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert "CpuHiddenStatesConnector" in argv[argv.index("--kv-transfer-config") + 1]
+    extract("hf")
     for name in read_manifest(tmp_path / "hf")["shards"]:
         ours, theirs = ShardFile(tmp_path / "vllm" / name), ShardFile(tmp_path / "hf" / name)
         assert ours.sample_ids == theirs.sample_ids
@@ -485,5 +487,11 @@ def test_nonfinite_states_are_counted_and_found_again(test_world, rows, sequence
     settings = ExtractionSettings(ShardFormat("bf16", "fp8"), shard_bytes=10_000)
     summary = extract_batch(sequences[:3], tmp_path, poisoned, LAYERS, 64, settings, {})
     expected = {r["sample_id"]: [*r["prompt_token_ids"], *r["token_ids"]] for r in rows[:3]}
-    assert summary.nonfinite > 0  # layer 5's input (aux id 5) and the final state
-    assert verify_batch(tmp_path, expected).nonfinite > 0
+    # layer 4's MLP writes NaN into channel 0 of the residual: aux id 5 holds 1 NaN a token;
+    # layer 5's norm spreads it, so the final state (id 8) is NaN in all 64 channels
+    tokens = sum(len(s) for s in sequences[:3])
+    teacher = sum(len(s.teacher_positions) for s in sequences[:3])
+    assert summary.nonfinite == tokens * (1 + 64)
+    # stored: aux in bf16 at every token; the final state in fp8 at the teacher positions,
+    # its 64 values and its per-token scale
+    assert verify_batch(tmp_path, expected).nonfinite == tokens + teacher * (64 + 1)

@@ -8,9 +8,11 @@ from eagle3_assets.lib.serving.vllm_probe import (
     advance,
     parse_metrics,
     probe,
+    smoke_chat,
     worth_recording,
 )
 from eagle3_assets_tests.fault_server import FaultServer, closed_port_url
+from eagle3_assets_tests.openai_stub import OpenAIStub
 
 MODEL = "tiny-target"
 
@@ -56,18 +58,54 @@ def test_probe_reports_models_endpoint_failure(server):
 def test_parse_metrics_labels_and_escapes():
     text = (
         "# HELP vllm:spec_decode_num_drafts_total drafts\n"
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
         'vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 12.0\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a \\"q\\"",'
         'position="1"} 7\n'
         "process_start_time_seconds 1.7e9\n"
     )
     metrics = parse_metrics(text)
+    # a counter is found under its full name, `_total` included, as vLLM names it
     assert metrics["vllm:spec_decode_num_drafts_total"] == {
         (("engine", "0"), ("model_name", "m")): 12.0
     }
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
     assert per_pos == {(("model_name", 'a "q"'), ("position", "1")): 7.0}
     assert metrics["process_start_time_seconds"] == {(): 1.7e9}
+
+
+def test_parse_metrics_reads_timestamps_histograms_and_labels_with_commas():
+    text = (
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 96 1700000000000\n'
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_bucket{le="0.5",model_name="m"} 2\n'
+        'vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 3\n'
+        'vllm:e2e_request_latency_seconds_sum{model_name="m"} 2.5\n'
+        'vllm:e2e_request_latency_seconds_count{model_name="m"} 3\n'
+        'vllm:cache_config_info{block_size="16",note="a, b=\\"c\\""} 1\n'
+    )
+    metrics = parse_metrics(text)
+    assert metrics["vllm:generation_tokens_total"] == {(("model_name", "m"),): 96.0}
+    buckets = metrics["vllm:e2e_request_latency_seconds_bucket"]
+    assert buckets[(("le", "+Inf"), ("model_name", "m"))] == 3.0
+    assert metrics["vllm:e2e_request_latency_seconds_count"] == {(("model_name", "m"),): 3.0}
+    assert metrics["vllm:cache_config_info"] == {(("block_size", "16"), ("note", 'a, b="c"')): 1.0}
+
+
+def test_smoke_chat_renders_with_the_template_kwargs_given():
+    with OpenAIStub() as stub:
+        smoke_chat(stub.base_url, MODEL, [{"role": "user", "content": "hi"}], 4)
+        assert "chat_template_kwargs" not in stub.last_payload  # the server's defaults
+        answer = smoke_chat(
+            stub.base_url,
+            MODEL,
+            [{"role": "user", "content": "hi"}],
+            4,
+            chat_template_kwargs={"thinking": False},
+        )
+        assert stub.last_payload["chat_template_kwargs"] == {"thinking": False}
+        assert answer["completion_tokens"] == 4
 
 
 def ready_probe(url="http://s:1", start=100.0, models=(MODEL,)) -> Probe:

@@ -22,8 +22,8 @@ from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm, read_drafte
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, between, snapshot
 from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
-from eagle3_assets.localdev.demo import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets.localdev.hub import make_untrained_drafter, train_world_drafter
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
 from eagle3_assets_tests.conftest import free_port
 
 pytestmark = pytest.mark.vllm
@@ -65,9 +65,9 @@ def greedy_token_ids(base_url: str, messages: list[dict]) -> list[int]:
 
 
 def export(source: Path, out_dir: Path, target_dir: Path) -> Path:
-    layers = TargetShape.from_config(target_dir).num_hidden_layers
-    exported = export_for_vllm(source, out_dir, layers)
-    assert read_drafter(exported, layers).aux_layer_ids.vllm == (2, 4, 5)  # nested SGLang [1, 3, 4]
+    target = TargetShape.from_config(target_dir)
+    exported = export_for_vllm(source, out_dir, target)
+    assert read_drafter(exported, target).aux_layer_ids.vllm == (2, 4, 5)  # nested SGLang [1, 3, 4]
     return exported
 
 

@@ -130,6 +130,24 @@ def test_two_gloo_ranks_match_one_process(corpus, tmp_path):
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
     for ours, theirs in zip(steps, single.history, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+        assert ours["step_losses"] == pytest.approx(theirs["step_losses"], rel=1e-4)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)  # averaged
+        assert ours["accuracy"] == theirs["accuracy"]  # hits and counts summed over ranks
+        assert ours["tokens"] == theirs["tokens"]
+    # the averaged gradients moved every weight as one process did; the checkpoint and the
+    # export hold the drafter's own tensor names, never a data-parallel wrapper's
+    checkpoint = tmp_path / "ranks" / "checkpoints" / "step-0000005"
+    alone = tmp_path / "single" / "checkpoints" / "step-0000005"
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert sorted(load_file(checkpoint / name)) == sorted(load_file(alone / name))
+    exported = load_file(tmp_path / "ranks" / "export" / "model.safetensors")
+    expected = load_file(single.export / "model.safetensors")
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert not torch.equal(
+        exported["fc.weight"], load_file(corpus["drafter"] / "model.safetensors")["fc.weight"]
+    )
 
 
 def test_sigint_to_torchrun_checkpoints_every_rank_then_resumes(corpus, tmp_path):

@@ -1,0 +1,27 @@
+"""How the drafter is trained, and on how many ranks: one typed recipe, each default once.
+
+Defaults are for continued training from a warm start (use lr ~1e-4 from scratch).
+"""
+
+from pydantic import BaseModel, Field
+
+
+class TrainingSettings(BaseModel):
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(4, ge=1)  # samples per rank per step
+    lr: float = Field(2e-5, gt=0)
+    ttt_length: int = Field(7, ge=1)
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    checkpoint_every: int = Field(100, ge=1)
+    seed: int = 0
+    holdout_fraction: float = Field(0.02, ge=0, lt=1)  # samples never trained on, by id
+    nproc: int = Field(1, ge=1)  # torchrun ranks per node: GPUs on a GPU node
+    nnodes: int = Field(1, ge=1)  # the node Dagster launches is node 0, the others join it
+    rdzv_endpoint: str | None = None  # "host:port" on node 0, reachable from every node
+
+    def run_settings(self) -> dict:
+        """The fields a training run's RunConfig takes (the ranks are torchrun's business)."""
+        return self.model_dump(exclude={"nproc", "nnodes", "rdzv_endpoint"})
+
+
+DEFAULTS = TrainingSettings()

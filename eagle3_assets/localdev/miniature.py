@@ -1,0 +1,52 @@
+"""The settings that point the pipeline and its vLLM servers at a miniature world: used by the
+demo, the tests and the benchmarks alike."""
+
+import os
+from pathlib import Path
+
+from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
+from eagle3_assets.localdev.hub import LOCAL_DRAFTER_REPO
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SERVED_TARGET_NAME = "target-v2"
+
+
+def miniature_server(model_dir: Path, run_dir: Path, port: int, served_model_name: str):
+    """The vLLM settings that suit the CPU build and a tiny target."""
+    return VLLMLaunchSpec(
+        model=str(model_dir),
+        python=Path(
+            os.environ.get("EAGLE3_SERVING_PYTHON", PROJECT_ROOT / ".venv-vllm/bin/python")
+        ),
+        run_dir=run_dir,
+        port=port,
+        served_model_name=served_model_name,
+        max_model_len=1024,
+        enforce_eager=True,  # skips torch.compile: a minute less on 2 cores
+        cpu_kvcache_gib=1,
+    )
+
+
+def miniature_env(
+    world_root: Path, hub_cache: Path, base_url: str, data_root: Path, served_model_name: str
+) -> dict[str, str]:
+    """The EAGLE3_* settings (see resources_from_env) that point the pipeline at a world."""
+    return {
+        "EAGLE3_VLLM_URLS": base_url,
+        "EAGLE3_TARGET_MODEL": served_model_name,
+        "EAGLE3_TARGET_PATH": str(world_root / "target-v2"),
+        "EAGLE3_PROMPTS": str(world_root / "prompts.jsonl"),
+        "EAGLE3_DATA_ROOT": str(data_root),
+        "EAGLE3_DRAFTER_REPO": LOCAL_DRAFTER_REPO,
+        "EAGLE3_HF_CACHE": str(hub_cache),
+        "HF_HUB_OFFLINE": "1",  # the miniature world never reaches a hub
+        "EAGLE3_BATCH_SIZE": "16",
+        "EAGLE3_MAX_TOKENS": "96",
+        "EAGLE3_CONCURRENCY": "16",
+        "EAGLE3_HELDOUT_PROMPTS": str(world_root / "prompts-heldout.jsonl"),
+        # drafter_evaluation's servers: miniature_server's settings, on their own port
+        "EAGLE3_EVAL_VLLM_ARGS": "--enforce-eager",
+        "EAGLE3_EVAL_MAX_MODEL_LEN": "1024",
+        "EAGLE3_EVAL_CPU_KVCACHE_GIB": "1",
+        "EAGLE3_EVAL_MAX_TOKENS": "96",
+    }
