@@ -110,13 +110,25 @@ def shown_table(page: Page, key: str) -> list[dict[str, str]]:
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
-def shown_image(page: Page, key: str, alt: str) -> str:
-    """The src of the image `alt` drawn in the value of `key` (a markdown image)."""
-    image = metadata_row(page, key).get_by_role("img", name=alt, exact=True)
-    expect(image).to_be_visible()
-    src = image.get_attribute("src")
-    assert src
-    return src
+def shown_images(page: Page, key: str, alts: list[str]) -> list[str]:
+    """The srcs of the images `alts` drawn by the markdown value of `key`: inline, or, when
+    long, in the dialog its [Show Markdown] link opens (closed again afterwards)."""
+    row = metadata_row(page, key)
+    expect(row).to_be_visible()
+    more = row.get_by_text("[Show Markdown]", exact=True)
+    opened = more.count() > 0
+    if opened:
+        more.click()
+    scope = page.get_by_role("dialog") if opened else row
+    srcs = []
+    for alt in alts:
+        image = scope.get_by_role("img", name=alt, exact=True)
+        expect(image).to_be_visible()
+        srcs.append(image.get_attribute("src"))
+    if opened:
+        page.keyboard.press("Escape")
+        expect(page.get_by_role("dialog")).to_have_count(0)
+    return srcs
 
 
 def backfill(page: Page, ui: DagsterUI, asset: str, keys: list[str]) -> None:
@@ -265,14 +277,16 @@ def test_a_person_runs_the_pipeline_from_the_web_ui(
         drafter_run = materialize(page, ui, "eagle3_drafter")
         page.goto(f"{ui.url}/assets/eagle3_drafter")
         expect(metadata_row(page, "steps")).to_be_visible()
-        curves = [shown_image(page, "curves", alt) for alt in ("loss", "accuracy")]
+        curves = shown_images(page, "curves", ["loss", "accuracy"])
         drafter_steps = metadata_value(page, "steps")
         drafter_export = metadata_value(page, "export")
         shot(page, "10-drafter-curves")
         evaluation_run = materialize(page, ui, "drafter_evaluation", EVALUATION_S)
         page.goto(f"{ui.url}/assets/drafter_evaluation")
         comparison = shown_table(page, "comparison")
-        chart = shown_image(page, "per_position_acceptance", "per-position acceptance on held-out")
+        (chart,) = shown_images(
+            page, "per_position_acceptance", ["per-position acceptance on held-out"]
+        )
         headline = {
             key: metadata_value(page, key)
             for key in ("mean_acceptance_length", "mean_acceptance_length_warm_start", "speedup")

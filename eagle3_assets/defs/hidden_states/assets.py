@@ -1,6 +1,5 @@
 """Hidden states: the target's states at the drafter's layers for each batch of generations."""
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -66,11 +65,7 @@ def hidden_states(
     from transformers import AutoTokenizer
 
     from eagle3_assets.lib.generation.store import FINAL_NAME
-    from eagle3_assets.lib.hidden_states.backends import (
-        VLLMExtraction,
-        drafter_layers,
-        open_backend,
-    )
+    from eagle3_assets.lib.hidden_states.backends import drafter_layers, open_backend
     from eagle3_assets.lib.hidden_states.extract import extract_batch, human_bytes, verify_batch
     from eagle3_assets.lib.hidden_states.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
     from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
@@ -106,22 +101,12 @@ def hidden_states(
         sequences,
         out_dir,
         lambda: open_backend(
-            hidden.backend,
+            hidden,
             target.path,
+            target.trust_remote_code,
             layers.ids,
             shape.hidden_size,
-            hidden.dtype,
-            hidden.device,
-            target.trust_remote_code,
-            VLLMExtraction(
-                python=Path(hidden.serving_python),
-                run_dir=storage.path("vllm-extraction"),
-                port=hidden.vllm_port,
-                max_model_len=hidden.max_length + 1,
-                load_timeout_s=hidden.vllm_load_timeout_s,
-                tensor_parallel_size=hidden.vllm_tensor_parallel_size,
-                extra_args=tuple(hidden.vllm_args),
-            ),
+            storage.path("vllm-extraction"),
         ),
         layers,
         shape.hidden_size,

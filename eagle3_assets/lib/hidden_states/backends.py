@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import json
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3_assets.lib.core.layer_ids import aux_layer_ids
 from eagle3_assets.lib.hidden_states.extract import LayerSelection
+from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 
 if TYPE_CHECKING:
     from eagle3_assets.lib.hidden_states.extract import StateSource
-
-BACKENDS = ("hf", "vllm")
-
-
-@dataclass(frozen=True)
-class VLLMExtraction:
-    """Where and how the `vllm` backend starts its own extraction server."""
-
-    python: Path  # the serving venv's interpreter
-    run_dir: Path
-    port: int
-    max_model_len: int
-    load_timeout_s: float
-    tensor_parallel_size: int = 1
-    extra_args: tuple[str, ...] = ()
 
 
 def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
@@ -42,38 +27,34 @@ def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
 
 
 def open_backend(
-    backend: str,
+    settings: HiddenStatesSettings,
     target: str,
+    trust_remote_code: bool,
     layer_ids: tuple[int, ...],
     hidden_size: int,
-    dtype: str,
-    device: str,
-    trust_remote_code: bool,
-    vllm: VLLMExtraction,
+    server_dir: Path,
 ) -> AbstractContextManager[StateSource]:
-    """The backend as a context manager (a server it starts is stopped on exit); loading it
-    takes minutes for a big target, so extract_batch calls this only when a shard is missing.
-    `vllm` is used by the vllm backend only; `device` cpu picks vLLM's CPU-build connector."""
+    """The configured backend as a context manager (a server it starts, from `server_dir`, is
+    stopped on exit); loading it takes minutes for a big target, so extract_batch calls this
+    only when a shard is missing. On the CPU the vllm backend uses the CPU-build connector."""
     from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, resolve_device
 
-    if backend == "hf":
-        return HFTarget(Path(target), layer_ids, dtype, device, trust_remote_code)
-    if backend != "vllm":
-        raise ValueError(f"backend: expected one of {BACKENDS}, found {backend!r}")
+    if settings.backend == "hf":
+        return HFTarget(Path(target), layer_ids, settings.dtype, settings.device, trust_remote_code)
     from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
     from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 
-    cpu = resolve_device(device) == "cpu"
+    cpu = resolve_device(settings.device) == "cpu"
     serving = VLLMLaunchSpec(
         model=target,
-        python=vllm.python,
-        run_dir=vllm.run_dir,
-        port=vllm.port,
-        tensor_parallel_size=vllm.tensor_parallel_size,
-        max_model_len=vllm.max_model_len,
-        dtype=dtype,
+        python=Path(settings.serving_python),
+        run_dir=server_dir,
+        port=settings.vllm_port,
+        tensor_parallel_size=settings.vllm_tensor_parallel_size,
+        max_model_len=settings.max_length + 1,
+        dtype=settings.dtype,
         trust_remote_code=trust_remote_code,
         cpu_kvcache_gib=1 if cpu else None,
-        extra_args=vllm.extra_args,
+        extra_args=tuple(settings.vllm_args),
     )
-    return extraction_server(serving, layer_ids, hidden_size, cpu, vllm.load_timeout_s)
+    return extraction_server(serving, layer_ids, hidden_size, cpu, settings.vllm_load_timeout_s)

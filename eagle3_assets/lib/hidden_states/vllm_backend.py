@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, start, stop, wait_ready
 
-PLUGINS_DIR = Path(__file__).resolve().parents[1] / "vllm_plugins"
+PLUGINS_DIR = Path(__file__).resolve().parents[2] / "vllm_plugins"  # eagle3_assets/vllm_plugins
 
 
 def extraction_spec(

@@ -287,21 +287,26 @@ def _spec_from_args(args: argparse.Namespace) -> VLLMLaunchSpec:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-vllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="action", required=True)
+    spec_default = {f.name: f.default for f in dataclasses.fields(VLLMLaunchSpec)}
     for action in ("start", "command"):
         p = sub.add_parser(action, help=f"{action} a server's command line")
         p.add_argument("--model", required=True)
         p.add_argument("--python", required=True, help="the serving venv's bin/python")
         p.add_argument("--run-dir", default="data/vllm")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8000)
+        p.add_argument("--host", default=spec_default["host"])
+        p.add_argument("--port", type=int, default=spec_default["port"])
         p.add_argument("--served-model-name")
-        p.add_argument("--tensor-parallel-size", type=int, default=1)
+        p.add_argument(
+            "--tensor-parallel-size", type=int, default=spec_default["tensor_parallel_size"]
+        )
         p.add_argument("--max-model-len", type=int)
         p.add_argument("--dtype")
         p.add_argument("--speculative-config", help="JSON, as vLLM takes it")
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--trust-remote-code", action="store_true")
-        p.add_argument("--engine-ready-timeout-s", type=int, default=1800)
+        p.add_argument(
+            "--engine-ready-timeout-s", type=int, default=spec_default["engine_ready_timeout_s"]
+        )
         p.add_argument("--cpu-kvcache-gib", type=int)
         p.add_argument("--wait", type=float, default=0, help="seconds to wait for readiness")
         p.add_argument("extra", nargs="*", help="after --: passed to vLLM unchanged")

@@ -319,7 +319,8 @@ def train(
     last = _save(out_dir, rank, model, optimizer, schedule, progress)
     export = out_dir / "export"
     if rank == 0:
-        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids)
+        target = TargetShape.from_config(Path(config.target))
+        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids, target)
     return TrainingResult(
         progress.step,
         progress.tokens,

@@ -1,7 +1,7 @@
 import dagster as dg
 import pytest
 
-from eagle3_assets.defs.serving.assets import served_target
+from eagle3_assets.defs.serving.assets import SMOKE_PROMPT, served_target
 from eagle3_assets.defs.serving.resources import VLLMServer
 
 pytestmark = pytest.mark.vllm
@@ -14,7 +14,9 @@ def test_served_target_generates(vllm_target):
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
     assert meta["model"] == "target-v2" and meta["vllm_version"] == "0.32.0"
     assert meta["max_model_len"] == 1024 and meta["replicas"] == 1
-    assert 1 <= meta["smoke_completion_tokens"] <= 32
+    # the greedy reply's own length (temperature 0: the same reply when asked again)
+    again = vllm.smoke_chat(vllm_target.base_url, SMOKE_PROMPT, max_tokens=32)
+    assert meta["smoke_completion_tokens"] == again["completion_tokens"]
 
 
 def test_served_target_fails_on_the_wrong_model(vllm_target):

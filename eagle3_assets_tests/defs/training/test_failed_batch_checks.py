@@ -102,6 +102,10 @@ def test_a_batch_that_failed_its_checks_is_never_trained_on(pipeline_env, monkey
     logs = [r.user_message for r in instance.all_logs(trained.run_id)]
     assert sum(m.startswith(expected) for m in logs) == 1
 
+    tick = dg.evaluate_automation_conditions(defs=graph, instance=instance, cursor=cursor)
+    cursor = tick.cursor
+    assert tick.total_requested == 0  # the drafter was just materialized by hand
+
     # the batch re-extracted clean passes, and the next tick asks for the drafter again
     for name, payload in clean.items():
         (data / "hidden_states" / BAD / name).write_bytes(payload)

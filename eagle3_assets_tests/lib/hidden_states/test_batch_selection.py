@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eagle3_assets.lib.hidden_states.backends import VLLMExtraction, drafter_layers, open_backend
+from eagle3_assets.lib.hidden_states.backends import drafter_layers
 from eagle3_assets.lib.hidden_states.batch_selection import Exclusion, select_batches
 
 CHECKS = ("manifest_complete", "values_finite")
@@ -52,9 +52,3 @@ def test_drafter_layers_read_the_warm_start_config(tmp_path):
     assert "SGLang" in layers.source
     with pytest.raises(FileNotFoundError, match="materialize drafter_checkpoint first"):
         drafter_layers(tmp_path / "missing", 8)
-
-
-def test_an_unknown_backend_is_refused_by_name(tmp_path):
-    vllm = VLLMExtraction(tmp_path / "python", tmp_path, 8010, 97, 60.0)
-    with pytest.raises(ValueError, match=r"backend: expected one of \('hf', 'vllm'\), found 'sgl'"):
-        open_backend("sgl", str(tmp_path), (2, 8), 64, "float32", "cpu", False, vllm)

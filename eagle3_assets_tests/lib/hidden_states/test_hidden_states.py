@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_assets.lib.core.atomic_files import file_sha256
 from eagle3_assets.lib.core.layer_ids import aux_layer_ids
-from eagle3_assets.lib.hidden_states.backends import VLLMExtraction, open_backend
+from eagle3_assets.lib.hidden_states.backends import open_backend
 from eagle3_assets.lib.hidden_states.extract import (
     MANIFEST,
     PROGRESS,
@@ -30,6 +30,7 @@ from eagle3_assets.lib.hidden_states.extract import (
     verify_batch,
 )
 from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, length_buckets
+from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.shard_format import (
     FP8_RELATIVE_ERROR,
     FP8_SUBNORMAL_ERROR,
@@ -434,13 +435,14 @@ def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequ
     """One real extraction server (vLLM's extract_hidden_states + our CPU connector), opened
     from plain settings as the asset opens it: its states, converted into shards, equal the hf
     backend's, and the raw files are gone."""
-    vllm = VLLMExtraction(
-        python=serving_python,
-        run_dir=tmp_path / "server",
-        port=free_port(),
-        max_model_len=512,
-        load_timeout_s=600,
-        extra_args=("--enforce-eager",),
+    recipe = HiddenStatesSettings(
+        dtype="float32",
+        device="cpu",
+        max_length=511,
+        serving_python=str(serving_python),
+        vllm_port=free_port(),
+        vllm_load_timeout_s=600,
+        vllm_args=["--enforce-eager"],
     )
     layers = LayerSelection(aux=(5, 2, 4), final=N_LAYERS, source="test")  # unsorted on purpose
     settings = ExtractionSettings(ShardFormat("bf16", "bf16"), shard_bytes=20_000)
@@ -450,7 +452,12 @@ def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequ
             sequences,
             tmp_path / backend,
             lambda: open_backend(
-                backend, str(test_world.target_v2), layers.ids, 64, "float32", "cpu", False, vllm
+                recipe.model_copy(update={"backend": backend}),
+                str(test_world.target_v2),
+                False,
+                layers.ids,
+                64,
+                tmp_path / "server",
             ),
             layers,
             64,

@@ -109,5 +109,10 @@ def test_embed_tokens_must_be_the_targets_and_is_not_saved():
     with pytest.raises(ValueError, match=r"embed_tokens: expected the target's \[50, 32\]"):
         Eagle3Drafter(CONFIG, torch.zeros(49, 32))
     names = set(Eagle3Drafter(CONFIG, torch.zeros(50, 32)).state_dict())
-    assert "embed_tokens" not in names and {"fc.weight", "d2t", "t2d", "lm_head.weight"} <= names
-    assert "midlayer.self_attn.q_proj.weight" in names
+    # exactly the names SpecForge saves and vLLM's llama_eagle3 loads: no embedding, no rope
+    # table, no wrapper prefix
+    layer = [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm")]
+    layer += [f"midlayer.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    layer += ["midlayer.post_attention_layernorm.weight"]
+    layer += [f"midlayer.self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+    assert names == {"d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight", *layer}
