@@ -30,7 +30,7 @@ def drafter_checkpoint(
     info = validate_drafter(path, target.shape())
     context.log.info(
         f"{drafter_hub.repo_id}@{revision[:12]}: {info.num_parameters:,} parameters, aux layers "
-        f"{list(info.aux_layer_ids_vllm)} (vLLM ids, from {info.aux_layer_ids_source})"
+        f"{list(info.aux_layer_ids.vllm)} (vLLM ids, from {info.aux_layer_ids.source})"
     )
     return dg.MaterializeResult(
         metadata={
@@ -39,16 +39,21 @@ def drafter_checkpoint(
             "path": dg.MetadataValue.path(str(path)),
             "bytes": info.bytes_on_disk,
             "parameters": info.num_parameters,
-            "hidden_size": info.hidden_size,
-            "vocab_size": info.vocab_size,
-            "draft_vocab_size": info.draft_vocab_size,
-            "aux_layer_ids_vllm": str(list(info.aux_layer_ids_vllm)),
-            "aux_layer_ids_sglang": str(list(info.aux_layer_ids_sglang)),
-            "aux_layer_ids_source": str(info.aux_layer_ids_source),
+            "hidden_size": info.config.hidden_size,
+            "vocab_size": info.config.vocab_size,
+            "draft_vocab_size": info.config.draft_vocab_size,
+            "aux_layer_ids_vllm": dg.MetadataValue.json(list(info.aux_layer_ids.vllm)),
+            "aux_layer_ids_sglang": dg.MetadataValue.json(list(info.aux_layer_ids.sglang)),
+            "aux_layer_ids_source": str(info.aux_layer_ids.source),
             "layout": info.source_format,
-            "tensors": dg.MetadataValue.md(
-                "| tensor | dtype | shape |\n| --- | --- | --- |\n"
-                + "\n".join(f"| {n} | {d} | {list(s)} |" for n, (d, s) in info.tensors.items())
+            "tensors": dg.MetadataValue.table(
+                [
+                    dg.TableRecord({"tensor": name, "dtype": dtype, "shape": str(list(shape))})
+                    for name, (dtype, shape) in info.tensors.items()
+                ],
+                schema=dg.TableSchema(
+                    columns=[dg.TableColumn(c, "string") for c in ("tensor", "dtype", "shape")]
+                ),
             ),
         },
         data_version=dg.DataVersion(revision),

@@ -143,7 +143,7 @@ def hidden_states(
             "extracted_tokens": summary.extracted_tokens,
             "tokens_per_s": round(summary.tokens_per_s, 1),
             "seconds": round(summary.seconds, 1),
-            "aux_layer_ids_vllm": str(list(layers.aux)),
+            "aux_layer_ids_vllm": dg.MetadataValue.json(list(layers.aux)),
             "final_layer_id_vllm": layers.final,
             "template_mismatches": len(mismatches),
         },

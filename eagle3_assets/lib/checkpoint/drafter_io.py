@@ -95,30 +95,6 @@ class DrafterInfo:
     num_parameters: int  # the drafter's weights in our names: no d2t/t2d, embeddings, verifier
     bytes_on_disk: int
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.config.draft_vocab_size
-
-    @property
-    def aux_layer_ids_vllm(self) -> tuple[int, ...]:
-        return self.aux_layer_ids.vllm
-
-    @property
-    def aux_layer_ids_sglang(self) -> tuple[int, ...]:
-        return self.aux_layer_ids.sglang
-
-    @property
-    def aux_layer_ids_source(self) -> LayerIdSource:
-        return self.aux_layer_ids.source
-
 
 @dataclass(frozen=True)
 class DrafterCheckpoint:

@@ -2,6 +2,7 @@
 
 import dagster as dg
 import pytest
+from safetensors.torch import load_file
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.checkpoint.resources import DrafterHub
@@ -42,11 +43,18 @@ def test_downloads_and_validates(test_world, test_hub, tmp_path, offline):
     assert meta["repo_id"] == LOCAL_DRAFTER_REPO and len(meta["revision"]) == 40
     assert meta["hidden_size"] == 64 and meta["vocab_size"] == 1024
     assert meta["draft_vocab_size"] == 256
-    assert meta["aux_layer_ids_vllm"] == "[2, 4, 5]"  # nested SGLang [1, 3, 4], converted
-    assert meta["aux_layer_ids_sglang"] == "[1, 3, 4]"
-    assert meta["parameters"] > 0 and meta["bytes"] > 0
-    downloaded = sorted(p.name for p in (tmp_path / "drafter" / "warm_start").iterdir())
+    assert meta["aux_layer_ids_vllm"] == [2, 4, 5]  # nested SGLang [1, 3, 4], converted
+    assert meta["aux_layer_ids_sglang"] == [1, 3, 4]
+    warm_start = tmp_path / "drafter" / "warm_start"
+    downloaded = sorted(p.name for p in warm_start.iterdir())
     assert downloaded == ["config.json", "model.safetensors"]  # never training_state.pt
+    assert meta["bytes"] == sum(p.stat().st_size for p in warm_start.iterdir())
+    weights = load_file(warm_start / "model.safetensors")
+    trained = [t for name, t in weights.items() if name not in ("d2t", "t2d")]
+    assert meta["parameters"] == sum(t.numel() for t in trained)
+    rows = {r.data["tensor"]: r.data for r in meta["tensors"].records}
+    assert sorted(rows) == sorted(weights)
+    assert rows["fc.weight"]["shape"] == str(list(weights["fc.weight"].shape))
 
 
 def test_a_speculators_drafter_downloads_and_validates(test_world, tmp_path, offline):
@@ -67,10 +75,15 @@ def test_a_speculators_drafter_downloads_and_validates(test_world, tmp_path, off
     (event,) = result.get_asset_materialization_events()
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
     assert meta["layout"] == "speculators"
-    assert meta["aux_layer_ids_vllm"] == "[2, 4, 5]"  # top-level, vLLM convention
-    assert meta["aux_layer_ids_sglang"] == "[1, 3, 4]"
+    assert meta["aux_layer_ids_vllm"] == [2, 4, 5]  # top-level, vLLM convention
+    assert meta["aux_layer_ids_sglang"] == [1, 3, 4]
     assert (meta["hidden_size"], meta["vocab_size"], meta["draft_vocab_size"]) == (64, 1024, 256)
-    assert "| layers.0.self_attn.q_proj.weight | F32 | [64, 128] |" in meta["tensors"]
+    rows = {r.data["tensor"]: r.data for r in meta["tensors"].records}
+    assert rows["layers.0.self_attn.q_proj.weight"] == {
+        "tensor": "layers.0.self_attn.q_proj.weight",
+        "dtype": "F32",
+        "shape": "[64, 128]",
+    }
 
 
 def test_unknown_revision_fails_with_repo_and_revision(test_world, test_hub, tmp_path, offline):

@@ -184,7 +184,7 @@ def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story, te
     assert after["output tokens/s"] == meta["output_tokens_per_s"]
     ratio = meta["output_tokens_per_s"] / plain["output tokens/s"]
     assert meta["speedup"] == pytest.approx(ratio, rel=2e-3)
-    assert after["speedup"] == pytest.approx(meta["speedup"], abs=0.005)
+    assert after["speedup"] == pytest.approx(meta["speedup"], abs=0.0055)  # 2 vs 3 digits
     assert (plain["acceptance rate"], plain["per position"], plain["speedup"]) == (None, "", 1.0)
     assert meta["heldout_prompts"] == len(test_world.heldout_prompts.read_text().splitlines())
     assert {row["prompts"] for row in rows if row["prompt set"] == "held-out"} == {
@@ -208,7 +208,7 @@ def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, te
     good = read_drafter(export, TargetShape.from_config(test_world.target_v2))
     assert good.aux_layer_ids.vllm == (2, 4, 5)
     tensors = load_file(export / "model.safetensors")
-    write_vllm_drafter(export, good.config, tensors, (0, 1, 3))  # same weights, wrong layers
+    write_vllm_drafter(export, good.config, tensors, (1, 3, 6))  # same weights, wrong layers
 
     run = materialize(definitions, instance, "drafter_evaluation")
     (evaluation,) = run.get_asset_check_evaluations()
@@ -216,7 +216,7 @@ def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, te
     # vLLM's own log line is the evidence: it fed the drafter the wrong layers. (On this tiny
     # target the residual streams of nearby layers are alike, so acceptance hardly drops; on
     # a big one it collapses. The check does not wait for that to show.)
-    assert evaluation.metadata["served_aux_layers"].value == [0, 1, 3]
+    assert evaluation.metadata["served_aux_layers"].value == [1, 3, 6]
     assert evaluation.metadata["trained_aux_layers"].value == [2, 4, 5]
     assert "fix eagle_aux_hidden_state_layer_ids" in evaluation.description
     assert not run.success, "a failed blocking check fails the run"

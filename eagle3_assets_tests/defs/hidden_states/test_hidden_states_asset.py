@@ -67,7 +67,7 @@ def test_batch_hidden_states_from_its_generations(pipeline_env, tmp_path, monkey
             strict=True,
         )
     )
-    assert meta["aux_layer_ids_vllm"] == "[2, 4, 5]" and meta["final_layer_id_vllm"] == 8
+    assert meta["aux_layer_ids_vllm"] == [2, 4, 5] and meta["final_layer_id_vllm"] == 8
     assert meta["format"] == "fp8+fp8" and meta["template_mismatches"] == 0
     assert meta["reused_shards"] == 0 and meta["extracted_tokens"] == meta["tokens"]
     # Kimi at this batch's response share: fp8 aux (21,516 B) + fp8 final at teacher positions

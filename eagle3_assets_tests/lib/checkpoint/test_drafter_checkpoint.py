@@ -111,10 +111,14 @@ def test_offline_download_gets_config_and_weights_only_and_validates(hub, tmp_pa
     info = validate_drafter(path, TARGET)
     assert info.source_format == SPECFORGE
     assert info.architectures == ["LlamaForCausalLMEagle3"]
-    assert (info.hidden_size, info.vocab_size, info.draft_vocab_size) == (64, 512, DRAFT_VOCAB)
-    assert info.aux_layer_ids_vllm == (2, 4, 5)
-    assert info.aux_layer_ids_sglang == (1, 3, 4)
-    assert info.aux_layer_ids_source is LayerIdSource.NESTED
+    assert (info.config.hidden_size, info.config.vocab_size, info.config.draft_vocab_size) == (
+        64,
+        512,
+        DRAFT_VOCAB,
+    )
+    assert info.aux_layer_ids.vllm == (2, 4, 5)
+    assert info.aux_layer_ids.sglang == (1, 3, 4)
+    assert info.aux_layer_ids.source is LayerIdSource.NESTED
     config = info.config
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 1, 32)
     assert info.tensors["fc.weight"] == ("F32", (64, 192))
@@ -219,9 +223,13 @@ def test_a_speculators_drafter_downloads_and_validates(drafter_dir, tmp_path, mo
     info = validate_drafter(path, TARGET)
     assert info.source_format == SPECULATORS
     assert info.architectures == ["Eagle3DraftModel"]
-    assert (info.hidden_size, info.vocab_size, info.draft_vocab_size) == (64, 512, DRAFT_VOCAB)
-    assert info.aux_layer_ids_vllm == (2, 4, 5)
-    assert info.aux_layer_ids_source is LayerIdSource.TOP_LEVEL
+    assert (info.config.hidden_size, info.config.vocab_size, info.config.draft_vocab_size) == (
+        64,
+        512,
+        DRAFT_VOCAB,
+    )
+    assert info.aux_layer_ids.vllm == (2, 4, 5)
+    assert info.aux_layer_ids.source is LayerIdSource.TOP_LEVEL
     assert info.num_parameters == validate_drafter(drafter_dir, TARGET).num_parameters
 
 
@@ -232,7 +240,7 @@ def test_a_pickle_beside_the_weights_is_never_opened(drafter_dir, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     assert (drafter_dir / "training_state.pt").exists()
-    assert validate_drafter(drafter_dir, TARGET).aux_layer_ids_vllm == (2, 4, 5)
+    assert validate_drafter(drafter_dir, TARGET).aux_layer_ids.vllm == (2, 4, 5)
 
 
 def _bump(name: str, index: int) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -353,8 +361,8 @@ def test_top_level_vllm_ids_validate_like_nested_sglang_ids(drafter_dir, tmp_pat
         config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
 
     info = validate_drafter(edited_copy(drafter_dir, tmp_path / "top", to_top_level), TARGET)
-    assert info.aux_layer_ids_vllm == (2, 4, 5)
-    assert info.aux_layer_ids_source is LayerIdSource.TOP_LEVEL
+    assert info.aux_layer_ids.vllm == (2, 4, 5)
+    assert info.aux_layer_ids.source is LayerIdSource.TOP_LEVEL
 
 
 def test_publishing_the_same_files_gives_the_same_sha(drafter_dir, tmp_path):

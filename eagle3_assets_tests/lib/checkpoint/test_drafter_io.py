@@ -159,8 +159,8 @@ def test_validates_against_its_target_without_loading_weights(
     assert info.config == checkpoint.config
     assert info.source_format == SPECFORGE
     assert info.architectures == ["LlamaForCausalLMEagle3"]
-    assert (info.aux_layer_ids_vllm, info.aux_layer_ids_sglang) == ((2, 4, 5), (1, 3, 4))
-    assert info.aux_layer_ids_source is LayerIdSource.NESTED
+    assert (info.aux_layer_ids.vllm, info.aux_layer_ids.sglang) == ((2, 4, 5), (1, 3, 4))
+    assert info.aux_layer_ids.source is LayerIdSource.NESTED
     assert info.tensors["fc.weight"] == ("F32", (64, 192))
     assert info.tensors["d2t"] == ("I64", (DRAFT_VOCAB,))
     assert info.num_parameters == sum(
@@ -209,7 +209,7 @@ def test_vllm_export_reads_back_identically(checkpoint, tmp_path, target):
     assert_same_tensors(again.tensors, checkpoint.tensors)
     # The download step's validator accepts what we export.
     info = validate_drafter(out, target)
-    assert info.aux_layer_ids_vllm == (2, 4, 5)
+    assert info.aux_layer_ids.vllm == (2, 4, 5)
 
     # Writing again replaces the directory whole.
     write_vllm_drafter(out, checkpoint.config, checkpoint.tensors, (2, 4, 5))
@@ -270,7 +270,7 @@ def test_a_speculators_drafter_passes_the_validation_training_passes(
     assert info.source_format == SPECULATORS
     assert info.architectures == ["Eagle3DraftModel"]
     assert info.config == checkpoint.config
-    assert (info.aux_layer_ids_vllm, info.aux_layer_ids_sglang) == ((2, 4, 5), (1, 3, 4))
+    assert (info.aux_layer_ids.vllm, info.aux_layer_ids.sglang) == ((2, 4, 5), (1, 3, 4))
     assert info.tensors["layers.0.self_attn.q_proj.weight"] == ("F32", (64, 128))
     assert info.tensors["embed_tokens.weight"] == ("F32", (1024, 64))  # on disk, not trained
     assert info.num_parameters == validate_drafter(specforge_dir, target).num_parameters
@@ -289,7 +289,7 @@ def test_identity_vocab_maps_when_the_draft_vocab_is_the_target_vocab(test_world
         config=lambda c: c.pop("draft_vocab_size"),
         tensors=lambda t: (t.pop("d2t"), t.pop("t2d")),
     )
-    assert validate_drafter(path, target).draft_vocab_size == 1024
+    assert validate_drafter(path, target).config.draft_vocab_size == 1024
     found = read_drafter(path, target)
     assert found.config.draft_vocab_size == 1024
     assert torch.equal(found.tensors["d2t"], torch.zeros(1024, dtype=torch.int64))
@@ -345,7 +345,7 @@ def test_one_rule_for_aux_layer_ids_everywhere(
     }
     assert verdicts == dict.fromkeys(verdicts, "accepted" if valid else "refused")
     if valid:  # what the exporter writes, the validator accepts, at the same layers
-        assert validate_drafter(out, target).aux_layer_ids_vllm == vllm
+        assert validate_drafter(out, target).aux_layer_ids.vllm == vllm
         assert json.loads((out / "config.json").read_text())[KEY] == list(vllm)
     else:
         assert not out.exists()
