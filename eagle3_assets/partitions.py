@@ -31,9 +31,10 @@ def latest_check_statuses(
     instance: dg.DagsterInstance, asset: str, checks: Sequence[str], batches: Sequence[str]
 ) -> dict[str, dict[str, str]]:
     """batch -> check -> its latest evaluation for that batch: "passed", "failed", "not
-    evaluated", "planned" (a run has yet to evaluate it) or "stale" (the batch was materialized
-    again since). The checks must be partitioned by sample_batches (a check spec without
-    partitions_def records no batch, and every batch reads "not evaluated")."""
+    evaluated" or "planned" (a run has yet to evaluate it). Our assets emit their checks with
+    each materialization, so the latest evaluation is always that of the latest data. The
+    checks must be partitioned by sample_batches (a check spec without partitions_def records
+    no batch, and every batch reads "not evaluated")."""
     from dagster._core.storage.asset_check_execution_record import (
         AssetCheckExecutionRecordStatus as Status,
     )
@@ -47,9 +48,7 @@ def latest_check_statuses(
         if info.partition_key not in statuses:
             continue
         status = info.latest_execution_status
-        if not info.is_current:
-            found = "stale"
-        elif status == Status.SUCCEEDED:
+        if status == Status.SUCCEEDED:
             found = "passed"
         else:
             found = "failed" if status == Status.FAILED else "planned"

@@ -1,7 +1,6 @@
 """Drafter evaluation: the warm start and the finetuned drafter, each served by real vLLM as
 the target's eagle3 speculator on prompts never trained on; the numbers users decide from."""
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,9 +82,7 @@ def drafter_evaluation(
             Contender(FINETUNED, finetuned),
         ],
         prompt_sets,
-        dataclasses.replace(
-            evaluation.settings(), chat_template_kwargs=generation.config().chat_template_kwargs
-        ),
+        evaluation.settings(generation.config().chat_template_kwargs),
         storage.path("evaluation", "measurements"),
         api_key=vllm.api_key,
         log=context.log.info,

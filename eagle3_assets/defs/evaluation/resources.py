@@ -1,32 +1,27 @@
 """How drafters are measured in vLLM."""
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
 from eagle3_assets.env_settings import EnvSettings, named_paths
 from eagle3_assets.lib.core.hub_files import HF_TOKEN_ENV, local_file
+from eagle3_assets.lib.evaluation.settings import Decoding, EvaluationSettings
 from eagle3_assets.lib.generation.conversations import load_conversations
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 from eagle3_assets.resources import TargetModel
 
-if TYPE_CHECKING:
-    from eagle3_assets.lib.evaluation.evaluate import EvaluationSettings
 
-
-class EvaluationRecipe(dg.ConfigurableResource, EnvSettings):
-    """The prompt sets, the decoding, and the servers the evaluation starts for itself (one at
-    a time, on `port`, from the target's folder)."""
+class EvaluationRecipe(dg.ConfigurableResource, Decoding, EnvSettings):
+    """The prompt sets, the decoding (lib/evaluation/settings.py), and the servers the
+    evaluation starts for itself (one at a time, on `port`, from the target's folder)."""
 
     # conversations never batched for training (JSONL/Parquet or hf://)
     heldout_prompts: str = "data/world/demo/prompts-heldout.jsonl"
     prompt_sets: dict[str, str] = {}  # more sets by name, e.g. {"mt-bench": "mt_bench.jsonl"}
     max_prompts: int = Field(200, ge=1)  # per set
-    max_tokens: int = Field(256, ge=1)
-    concurrency: int = Field(16, ge=1)
-    num_speculative_tokens: int = Field(3, ge=1)
     min_acceptance_rate: float = Field(0.05, ge=0, le=1)  # blocking check: below is "near zero"
     serving_python: str = ".venv-vllm/bin/python"
     port: int = Field(8020, ge=1, le=65535)
@@ -34,7 +29,6 @@ class EvaluationRecipe(dg.ConfigurableResource, EnvSettings):
     max_model_len: int | None = Field(None, ge=1)
     cpu_kvcache_gib: int | None = Field(None, ge=1)  # CPU builds only
     vllm_args: list[str] = []  # e.g. ["--enforce-eager"]
-    load_timeout_s: float = Field(1800.0, gt=0)
     cache_dir: str | None = None  # hub cache for hf:// prompt sets
     token: str | None = None
 
@@ -85,12 +79,7 @@ class EvaluationRecipe(dg.ConfigurableResource, EnvSettings):
             extra_args=tuple(self.vllm_args),
         )
 
-    def settings(self) -> "EvaluationSettings":
-        from eagle3_assets.lib.evaluation.evaluate import EvaluationSettings
-
-        return EvaluationSettings(
-            max_tokens=self.max_tokens,
-            concurrency=self.concurrency,
-            num_speculative_tokens=self.num_speculative_tokens,
-            load_timeout_s=self.load_timeout_s,
-        )
+    def settings(self, chat_template_kwargs: dict[str, Any] | None) -> EvaluationSettings:
+        """The decoding, with the generation recipe's template kwargs."""
+        decoding = self.model_dump(include=set(Decoding.model_fields))
+        return EvaluationSettings(**decoding, chat_template_kwargs=chat_template_kwargs)

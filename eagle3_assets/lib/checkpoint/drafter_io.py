@@ -38,7 +38,6 @@ from safetensors.torch import save_file
 from eagle3_assets.lib.core.layer_ids import (
     KEY,
     AuxLayerIds,
-    LayerIdSource,
     aux_layer_ids,
     check_layer_ids,
     vllm_to_sglang,

@@ -28,6 +28,7 @@ from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 from eagle3_assets.lib.core.layer_ids import KEY
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
+from eagle3_assets.lib.evaluation.settings import EvaluationSettings
 from eagle3_assets.lib.serving.vllm_launcher import (
     VLLMLaunchSpec,
     build_command,
@@ -49,15 +50,6 @@ class Contender:
 
     name: str
     drafter: Path | None
-
-
-@dataclass(frozen=True)
-class EvaluationSettings:
-    max_tokens: int = 256
-    concurrency: int = 16
-    num_speculative_tokens: int = 3
-    load_timeout_s: float = 1800.0
-    chat_template_kwargs: dict[str, Any] | None = None  # the generation's, sent as they are
 
 
 @dataclass(frozen=True)
@@ -181,7 +173,7 @@ def _key(
         "command": build_command(dataclasses.replace(spec, port=0, run_dir=Path("."))),
         "drafter": drafter,
         "prompts": conversations,
-        "settings": dataclasses.asdict(settings),
+        "settings": settings.model_dump(),
     }
     return hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:16]
 

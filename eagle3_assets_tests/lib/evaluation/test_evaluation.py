@@ -13,7 +13,6 @@ from eagle3_assets.lib.evaluation.evaluate import (
     BASELINE,
     COMPARISON_COLUMNS,
     Contender,
-    EvaluationSettings,
     Measurement,
     comparison_rows,
     comparison_table,
@@ -23,6 +22,7 @@ from eagle3_assets.lib.evaluation.evaluate import (
     speedup,
     verdict,
 )
+from eagle3_assets.lib.evaluation.settings import EvaluationSettings
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, serve_line
 
 LAYERS = (2, 4, 5)

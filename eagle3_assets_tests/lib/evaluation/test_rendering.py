@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 from eagle3_assets.lib.evaluation.evaluate import (
     BASELINE,
     Contender,
-    EvaluationSettings,
     evaluate,
 )
+from eagle3_assets.lib.evaluation.settings import EvaluationSettings
 from eagle3_assets.lib.generation.conversations import load_conversations
 from eagle3_assets.lib.hidden_states.token_sequences import render_prompt_ids
 from eagle3_assets.lib.serving.vllm_launcher import LaunchError
@@ -85,4 +85,4 @@ def test_evaluation_requests_render_with_the_generations_template_kwargs(
     venv.unlink()
     assert measure(settings) == measured  # same rendering: the saved measurement
     with pytest.raises(LaunchError, match="serving interpreter not found"):
-        measure(dataclasses.replace(settings, chat_template_kwargs=None))  # another: a new server
+        measure(settings.model_copy(update={"chat_template_kwargs": None}))  # another: a new server

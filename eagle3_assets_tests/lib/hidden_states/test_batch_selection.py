@@ -16,7 +16,7 @@ def test_only_batches_whose_every_check_passed_are_usable():
         "batch-00002": {"manifest_complete": "passed", "values_finite": "passed"},
         "batch-00000": {"manifest_complete": "passed", "values_finite": "passed"},
         "batch-00001": {"manifest_complete": "passed", "values_finite": "failed"},
-        "batch-00003": {"manifest_complete": "not evaluated", "values_finite": "stale"},
+        "batch-00003": {"manifest_complete": "not evaluated", "values_finite": "planned"},
     }
     on_disk = ["batch-00000", "batch-00001", "batch-00003"]  # batch-00002's files are gone
     selection = select_batches(statuses, on_disk)
@@ -24,7 +24,9 @@ def test_only_batches_whose_every_check_passed_are_usable():
     assert selection.excluded == [
         Exclusion("batch-00001", {"values_finite": "failed"}),
         Exclusion("batch-00002", {"manifest.json": "missing"}),
-        Exclusion("batch-00003", {"manifest_complete": "not evaluated", "values_finite": "stale"}),
+        Exclusion(
+            "batch-00003", {"manifest_complete": "not evaluated", "values_finite": "planned"}
+        ),
     ]
     assert select_batches({}, []).usable == []
 
