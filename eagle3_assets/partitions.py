@@ -30,27 +30,23 @@ def next_batch(
 def latest_check_statuses(
     instance: dg.DagsterInstance, asset: str, checks: Sequence[str], batches: Sequence[str]
 ) -> dict[str, dict[str, str]]:
-    """batch -> check -> its latest evaluation for that batch: "passed", "failed", "not
-    evaluated" or "planned" (a run has yet to evaluate it). Our assets emit their checks with
-    each materialization, so the latest evaluation is always that of the latest data. The
-    checks must be partitioned by sample_batches (a check spec without partitions_def records
-    no batch, and every batch reads "not evaluated")."""
-    from dagster._core.storage.asset_check_execution_record import (
-        AssetCheckExecutionRecordStatus as Status,
-    )
-
-    keys = [dg.AssetCheckKey(dg.AssetKey(asset), name) for name in checks]
+    """batch -> check -> "passed", "failed" or "not evaluated": the checks evaluated with the
+    batch's latest materialization. Our assets emit their checks in the step that materializes
+    the batch (one batch per run), so that run's evaluations are the batch's, whatever the run
+    was launched by (the daemon, a backfill, the UI)."""
     statuses = {batch: dict.fromkeys(checks, "not evaluated") for batch in batches}
-    if not batches:
-        return statuses
-    storage = instance.event_log_storage
-    for info in storage.get_asset_check_partition_info(keys, partition_keys=list(batches)):
-        if info.partition_key not in statuses:
+    key = dg.AssetKey(asset)
+    for batch in batches:
+        latest = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[batch]), limit=1
+        ).records
+        if not latest:
             continue
-        status = info.latest_execution_status
-        if status == Status.SUCCEEDED:
-            found = "passed"
-        else:
-            found = "failed" if status == Status.FAILED else "planned"
-        statuses[info.partition_key][info.check_key.name] = found
+        evaluations = instance.all_logs(
+            latest[0].run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION
+        )
+        for entry in evaluations:
+            evaluation = entry.dagster_event.event_specific_data
+            if evaluation.asset_key == key and evaluation.check_name in statuses[batch]:
+                statuses[batch][evaluation.check_name] = "passed" if evaluation.passed else "failed"
     return statuses

@@ -17,6 +17,18 @@ from eagle3_assets.localdev.world import World, build_world
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Greedy answers and a drafter small enough to train and evaluate in a test (a minute or two)
+SMALL_DRAFTER = {
+    "EAGLE3_TEMPERATURE": "0",
+    "EAGLE3_MAX_TOKENS": "64",
+    "EAGLE3_TRAIN_STEPS": "60",
+    "EAGLE3_TRAIN_LR": "1e-3",
+    "EAGLE3_TRAIN_BATCH_SIZE": "4",
+    "EAGLE3_TTT_LENGTH": "3",
+    "EAGLE3_HOLDOUT_FRACTION": "0.1",
+    "EAGLE3_EVAL_MAX_TOKENS": "64",
+}
+
 
 @pytest.fixture(scope="session")
 def test_world() -> World:

@@ -16,7 +16,7 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from eagle3_assets.localdev.processes import running_daemon
-from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.conftest import SMALL_DRAFTER, free_port
 from eagle3_assets_tests.webserver import running_webserver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,19 +44,6 @@ def artifacts() -> Path:
         for old in ARTIFACTS.glob(pattern):
             old.unlink()
     return ARTIFACTS
-
-
-# Small enough that the person also trains and evaluates a drafter (as in test_whole_graph)
-SMALL_DRAFTER = {
-    "EAGLE3_TEMPERATURE": "0",
-    "EAGLE3_MAX_TOKENS": "64",
-    "EAGLE3_TRAIN_STEPS": "60",
-    "EAGLE3_TRAIN_LR": "1e-3",
-    "EAGLE3_TRAIN_BATCH_SIZE": "4",
-    "EAGLE3_TTT_LENGTH": "3",
-    "EAGLE3_HOLDOUT_FRACTION": "0.1",
-    "EAGLE3_EVAL_MAX_TOKENS": "64",
-}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_dra
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.evaluate import comparison_table
 from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env
-from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.conftest import SMALL_DRAFTER, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -81,19 +81,11 @@ def story(test_world, test_hub, vllm_target, serving_python, tmp_path_factory):
     env = miniature_env(
         test_world.root, test_hub, vllm_target.base_url, root / "data", SERVED_TARGET_NAME
     )
-    env |= {
+    env |= SMALL_DRAFTER | {
         "EAGLE3_BATCH_SIZE": str(BATCH_SIZE),
-        "EAGLE3_TEMPERATURE": "0",
-        "EAGLE3_MAX_TOKENS": "64",
-        "EAGLE3_TRAIN_STEPS": "60",
-        "EAGLE3_TRAIN_LR": "1e-3",
-        "EAGLE3_TRAIN_BATCH_SIZE": "4",
-        "EAGLE3_TTT_LENGTH": "3",
-        "EAGLE3_HOLDOUT_FRACTION": "0.1",
         "EAGLE3_SERVING_PYTHON": str(serving_python),
         "EAGLE3_EVAL_PORT": str(free_port()),
         "EAGLE3_EVAL_PROMPT_SETS": f"extra={extra}",
-        "EAGLE3_EVAL_MAX_TOKENS": "64",
     }
     with pytest.MonkeyPatch.context() as patch, dg.instance_for_test() as instance:
         for name, value in env.items():
