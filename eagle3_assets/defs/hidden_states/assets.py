@@ -154,15 +154,14 @@ def hidden_states(
 def _refuse_failed_generations(instance: dg.DagsterInstance, key: str) -> None:
     """Never extract a batch of generations whose latest blocking checks did not pass: the
     failed run stopped, but its rows stayed on disk."""
+    from eagle3_assets.lib.hidden_states.batch_selection import select_batches
+
     checks = (ONE_ROW_PER_PROMPT, RESPONSE_QUALITY)
-    statuses = latest_check_statuses(instance, "synthetic_generations", checks, [key])[key]
-    problems = {check: status for check, status in statuses.items() if status != "passed"}
-    if problems:
-        found = ", ".join(f"{check} {status}" for check, status in problems.items())
+    statuses = latest_check_statuses(instance, "synthetic_generations", checks, [key])
+    for excluded in select_batches(statuses, [key]).excluded:
         raise dg.Failure(
-            f"synthetic_generations[{key}]: {found} (latest evaluation); re-materialize "
-            f"synthetic_generations[{key}] until its checks pass, then hidden_states[{key}]",
-            metadata={"batch": key, **problems},
+            f"{excluded.message('synthetic_generations', {})}, then hidden_states[{key}]",
+            metadata={"batch": key, **excluded.problems},
         )
 
 

@@ -127,8 +127,8 @@ def test_a_batch_that_failed_its_checks_is_never_trained_on(pipeline_env, monkey
     assert not refused.success
     (failure,) = [e for e in refused.all_events if e.is_step_failure]
     assert (
-        f"synthetic_generations[{UNCHECKED}]: response_quality failed (latest evaluation); "
-        f"re-materialize synthetic_generations[{UNCHECKED}] until its checks pass, then "
+        f"synthetic_generations[{UNCHECKED}] left out: response_quality failed (latest "
+        f"evaluation); re-materialize synthetic_generations[{UNCHECKED}], then "
         f"hidden_states[{UNCHECKED}]"
     ) in failure.step_failure_data.error.message
     assert not (data / "hidden_states" / UNCHECKED).exists()
