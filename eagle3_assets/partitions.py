@@ -1,5 +1,6 @@
 """Partitions shared across domains: synthetic generations and hidden states are cut into the
-same sample batches, registered as the prompt pool grows."""
+same sample batches, registered as the prompt pool grows; and whether a batch's checks let
+the steps after it consume it."""
 
 from collections.abc import Sequence
 
@@ -50,3 +51,17 @@ def latest_check_statuses(
             if evaluation.asset_key == key and evaluation.check_name in statuses[batch]:
                 statuses[batch][evaluation.check_name] = "passed" if evaluation.passed else "failed"
     return statuses
+
+
+def eager_on_checked_inputs() -> dg.AutomationCondition:
+    """`eager()`, except while a dependency's latest blocking check evaluation failed: a run's
+    blocking checks only stop that run, so without this the next automated run would consume
+    the bad data. Per batch where the dependency's checks are partitioned (hidden_states,
+    synthetic_generations); eagle3_drafter, reading every batch, waits until the failed batch
+    is re-materialized and passes. The assets also refuse failed batches when run by hand."""
+    failed = dg.AutomationCondition.any_checks_match(
+        dg.AutomationCondition.check_failed(), blocking_only=True
+    )
+    return dg.AutomationCondition.eager() & ~dg.AutomationCondition.any_deps_match(
+        failed
+    ).with_label("any_deps_blocking_check_failed")

@@ -11,7 +11,7 @@ from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
 from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.training.assets import eagle3_drafter
-from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
+from eagle3_assets.partitions import eager_on_checked_inputs
 from eagle3_assets.resources import Storage, TargetModel
 
 if TYPE_CHECKING:

@@ -12,8 +12,7 @@ from eagle3_assets.defs.generation.assets import (
 )
 from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
-from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
-from eagle3_assets.partitions import latest_check_statuses, sample_batches
+from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses, sample_batches
 from eagle3_assets.resources import Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module

@@ -10,10 +10,9 @@ import dagster as dg
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
-from eagle3_assets.defs.training.sensors import eager_on_checked_inputs
 from eagle3_assets.lib.hidden_states.batch_selection import select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
-from eagle3_assets.partitions import latest_check_statuses
+from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses
 from eagle3_assets.resources import Storage, TargetModel
 
 

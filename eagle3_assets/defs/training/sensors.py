@@ -6,20 +6,6 @@ every GPU these steps have nowhere to run until serving stops."""
 import dagster as dg
 
 
-def eager_on_checked_inputs() -> dg.AutomationCondition:
-    """`eager()`, except while a dependency's latest blocking check evaluation failed: a run's
-    blocking checks only stop that run, so without this the next automated run would consume
-    the bad data. Per batch where the dependency's checks are partitioned (hidden_states,
-    synthetic_generations); eagle3_drafter, reading every batch, waits until the failed batch
-    is re-materialized and passes. The assets also refuse failed batches when run by hand."""
-    failed = dg.AutomationCondition.any_checks_match(
-        dg.AutomationCondition.check_failed(), blocking_only=True
-    )
-    return dg.AutomationCondition.eager() & ~dg.AutomationCondition.any_deps_match(
-        failed
-    ).with_label("any_deps_blocking_check_failed")
-
-
 def drafter_automation(running: bool) -> dg.AutomationConditionSensorDefinition:
     """The sensor, running from the start when the deployment says so (EAGLE3_AUTOMATION)."""
     return dg.AutomationConditionSensorDefinition(
