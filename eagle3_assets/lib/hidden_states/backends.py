@@ -3,12 +3,10 @@ asset would otherwise assemble itself (launch specs, config parsing)."""
 
 from __future__ import annotations
 
-import json
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_assets.lib.core.layer_ids import aux_layer_ids
 from eagle3_assets.lib.hidden_states.extract import LayerSelection
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 
@@ -17,12 +15,15 @@ if TYPE_CHECKING:
 
 
 def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
-    """The warm-start drafter's aux ids (either convention, as its config declares them), then
-    the final id N: the states a batch must hold for that drafter."""
-    config = drafter_dir / "config.json"
-    if not config.exists():
-        raise FileNotFoundError(f"no {config}: materialize drafter_checkpoint first")
-    ids = aux_layer_ids(json.loads(config.read_text()), num_layers)
+    """The warm-start drafter's aux ids (either layout and convention, read and checked by the
+    one drafter reader), then the final id N: the states a batch must hold for that drafter."""
+    from eagle3_assets.lib.checkpoint.drafter_io import drafter_aux_layer_ids
+
+    if not (drafter_dir / "config.json").exists():
+        raise FileNotFoundError(
+            f"no {drafter_dir / 'config.json'}: materialize drafter_checkpoint first"
+        )
+    ids = drafter_aux_layer_ids(drafter_dir, num_layers)
     return LayerSelection(aux=ids.fc_order, final=num_layers, source=str(ids.source))
 
 

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
+from eagle3_assets.lib.checkpoint.drafter_io import DrafterValidationError
 from eagle3_assets.lib.hidden_states.backends import drafter_layers
 from eagle3_assets.lib.hidden_states.batch_selection import Exclusion, select_batches
+from eagle3_assets.localdev.hub import make_untrained_drafter
 
 CHECKS = ("manifest_complete", "values_finite")
 
@@ -45,12 +47,16 @@ def test_an_exclusion_names_the_batch_the_check_and_the_fix():
     )
 
 
-def test_drafter_layers_read_the_warm_start_config(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}})
-    )
-    layers = drafter_layers(tmp_path, 8)
+def test_drafter_layers_read_the_warm_start_config(test_world, tmp_path):
+    warm_start = make_untrained_drafter(test_world.target_v1, tmp_path / "drafter", 256, seed=0)
+    config = json.loads((warm_start / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang
+    layers = drafter_layers(warm_start, 8)
     assert (layers.aux, layers.final, layers.ids) == ((2, 4, 5), 8, (2, 4, 5, 8))  # SGLang + 1
     assert "SGLang" in layers.source
     with pytest.raises(FileNotFoundError, match="materialize drafter_checkpoint first"):
         drafter_layers(tmp_path / "missing", 8)
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [4, 1, 8]  # 9: past the target
+    (warm_start / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterValidationError, match="eagle_aux_hidden_state_layer_ids"):
+        drafter_layers(warm_start, 8)
