@@ -18,13 +18,29 @@ def pending_batches(instance: dg.DagsterInstance) -> list[str]:
     return [key for key in registered if key not in done]
 
 
+ACTIVE = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def batches_in_flight(instance: dg.DagsterInstance) -> set[str]:
+    """Batches some queued or running run is generating already (any job)."""
+    runs = instance.get_runs(filters=dg.RunsFilter(statuses=ACTIVE))
+    return {run.tags["dagster/partition"] for run in runs if "dagster/partition" in run.tags}
+
+
 def next_batch(
     instance: dg.DagsterInstance,
 ) -> tuple[str | None, list[dg.AddDynamicPartitionsRequest]]:
-    """The batch to generate next, registering batch-00000 if nothing is registered yet."""
+    """The batch to generate next, registering batch-00000 if nothing is registered yet; never
+    one a run is generating already (after a crash, the dead run's retry resumes it)."""
     if not instance.get_dynamic_partitions(sample_batches.name):
         return batch_key(0), [sample_batches.build_add_request([batch_key(0)])]
-    pending = pending_batches(instance)
+    busy = batches_in_flight(instance)
+    pending = [key for key in pending_batches(instance) if key not in busy]
     return (pending[0] if pending else None), []
 
 

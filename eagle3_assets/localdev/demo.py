@@ -19,6 +19,7 @@ from pathlib import Path
 from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
     log_tail,
+    read_pid,
     start,
 )
 from eagle3_assets.lib.serving.vllm_probe import probe
@@ -46,25 +47,54 @@ def launch_runs(instance, instance_ids: str | None = None) -> list:
     return instance.get_runs(filters=dg.RunsFilter(job_name=LAUNCH_JOB, tags=tags))
 
 
-def latest_observation(instance):
+def observations_since(instance, since: float, after_id: int = 0) -> list:
+    """vllm_server observation records made at or after `since` (epoch seconds) and stored
+    after `after_id`, oldest first: one stored before this demo started describes a server
+    that may be gone (a kill -9 leaves the last 'ready' behind)."""
     import dagster as dg
 
-    records = instance.fetch_observations(dg.AssetKey("vllm_server"), limit=1).records
-    return records[0].asset_observation if records else None
+    records = instance.fetch_observations(dg.AssetKey("vllm_server"), limit=20).records
+    return [r for r in reversed(records) if r.timestamp >= since and r.storage_id > after_id]
 
 
-def follow_launch(instance, started: float, timeout_s: float, say) -> object:
-    """Narrate observations, then the launch run of the server start seen ready; return it."""
+def attempts(instance, run) -> list:
+    """`run` and its retries, in order: a failed run that will be retried is followed into its
+    retry (tagged with its parent's id) once the daemon has created it."""
+    import dagster as dg
+    from dagster._core.storage.tags import PARENT_RUN_ID_TAG
 
-    seen_observation, seen_status, server_instance = None, None, None
+    chain = [run]
+    while will_retry(chain[-1]):
+        retries = instance.get_runs(
+            filters=dg.RunsFilter(tags={PARENT_RUN_ID_TAG: chain[-1].run_id}), limit=1
+        )
+        if not retries:
+            break
+        chain.append(retries[0])
+    return chain
+
+
+def will_retry(run) -> bool:
+    """A failed run that Dagster's run retries will start again."""
+    import dagster as dg
+    from dagster._core.storage.tags import WILL_RETRY_TAG
+
+    return run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true"
+
+
+def follow_launch(
+    instance, started: float, timeout_s: float, say, since: float, base_url: str
+) -> object:
+    """Narrate the observations made since `since`, then the launch run of the server that
+    answers at `base_url` now (an older start's runs are history) and its retries; return the
+    attempt that succeeded, or the one that failed for good."""
+    last_observation, seen_status = 0, {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        observation = latest_observation(instance)
-        if observation is not None and observation != seen_observation:
-            seen_observation = observation
-            meta = {k: v.value for k, v in observation.metadata.items()}
+        for record in observations_since(instance, since, last_observation):
+            last_observation = record.storage_id
+            meta = {k: v.value for k, v in record.asset_observation.metadata.items()}
             if meta["state"] == "ready":
-                server_instance = meta["instance_id"]
                 extra = f"max_model_len {meta['max_model_len']}, vLLM {meta['vllm_version']}"
             else:
                 extra = meta["detail"]
@@ -72,17 +102,20 @@ def follow_launch(instance, started: float, timeout_s: float, say) -> object:
                 f"+{time.monotonic() - started:4.0f}s vllm_server observed: {meta['state']} "
                 f"({extra})"
             )
-        runs = launch_runs(instance, server_instance) if server_instance else []
+        server = probe(base_url)
+        runs = launch_runs(instance, server.instance_id) if server.instance_id else []
         if runs:
-            run = runs[0]
-            if run.status != seen_status:
-                seen_status = run.status
-                say(
-                    f"+{time.monotonic() - started:4.0f}s launch run {run.run_id[:8]}: "
-                    f"{run.status.value}"
-                )
-            if run.is_finished:
-                return run
+            chain = attempts(instance, runs[-1])  # the sensor's request for this server start
+            for run in chain:
+                if seen_status.get(run.run_id) != run.status:
+                    seen_status[run.run_id] = run.status
+                    retry = " (a retry follows)" if will_retry(run) else ""
+                    say(
+                        f"+{time.monotonic() - started:4.0f}s launch run {run.run_id[:8]}: "
+                        f"{run.status.value}{retry}"
+                    )
+            if chain[-1].is_finished and not will_retry(chain[-1]):
+                return chain[-1]
         time.sleep(2)
     raise TimeoutError(f"no finished launch run after {timeout_s:.0f}s")
 
@@ -212,15 +245,22 @@ def main() -> int:
     if current.healthy and SERVED_TARGET_NAME in current.model_ids:
         say(f"vLLM already serves {SERVED_TARGET_NAME} at {spec.base_url}: reusing it")
     else:
+        before = read_pid(spec.pid_file)
         try:
-            pid = start(spec)
+            pid = start(spec)  # the server a previous demo started, if it is still loading
         except LaunchError as error:
             say(f"cannot start vLLM: {error}")
             return 1
-        say(
-            f"vLLM starting (pid {pid}) at {spec.base_url}, serving {world.target_v2.name} as "
-            f"{SERVED_TARGET_NAME}; log: {spec.log_file}"
-        )
+        if pid == before:
+            say(
+                f"waiting for the vLLM server it started before (pid {pid}) to finish loading; "
+                f"log: {spec.log_file}"
+            )
+        else:
+            say(
+                f"vLLM starting (pid {pid}) at {spec.base_url}, serving {world.target_v2.name} "
+                f"as {SERVED_TARGET_NAME}; log: {spec.log_file}"
+            )
 
     env = miniature_env(world.root, hub, spec.base_url, data, SERVED_TARGET_NAME) | DEMO_SETTINGS
     with running_daemon(dagster_home, env, data / "dagster-daemon.log"):
@@ -230,8 +270,10 @@ def main() -> int:
         )
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
             try:
-                run = follow_launch(instance, started, timeout_s=900, say=say)
-                if run.status != dg.DagsterRunStatus.SUCCESS:
+                run = follow_launch(
+                    instance, started, timeout_s=900, say=say, since=since, base_url=spec.base_url
+                )
+                if run.status != dg.DagsterRunStatus.SUCCESS:  # and no retry is coming
                     say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
                     return 1
                 record = follow_pipeline(instance, started, since, timeout_s=3600, say=say)

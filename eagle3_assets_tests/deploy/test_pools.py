@@ -128,12 +128,12 @@ def test_vllm_pool_limits_batch_runs_at_the_server(
 
 def test_run_retries_and_monitoring_apply_as_configured(dagster_home: Path) -> None:
     """dagster.yaml's run_retries, as the instance applies them when a run fails: a run whose
-    worker died or whose step failed is marked for ONE retry (every asset resumes from its
-    saved progress), the retry itself is not retried again; run monitoring frees the slots
-    of ended runs after 30 s."""
+    worker died or whose step failed is marked for TWO retries (every asset resumes from its
+    saved progress), the second retry is not retried again; run monitoring frees the slots
+    of ended runs after 15 s. (That monitoring finds dead workers: test_crash_recovery.py.)"""
     with dg.DagsterInstance.get() as instance:
         assert instance.run_monitoring_enabled
-        assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] == 30
+        assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] == 15
 
         def fail(reason: RunFailureReason, retry_of: str | None = None) -> dict[str, str]:
             lineage = {"root_run_id": retry_of, "parent_run_id": retry_of} if retry_of else {}
@@ -154,6 +154,8 @@ def test_run_retries_and_monitoring_apply_as_configured(dagster_home: Path) -> N
         step_failed = fail(RunFailureReason.STEP_FAILURE)
         first = instance.get_runs(limit=1)[0].run_id
         retry_failed = fail(RunFailureReason.STEP_FAILURE, retry_of=first)
+        second_retry_failed = fail(RunFailureReason.STEP_FAILURE, retry_of=first)
     assert crashed[RUN_FAILURE_REASON_TAG] == "RUN_WORKER_RESTART"
     assert (crashed[WILL_RETRY_TAG], step_failed[WILL_RETRY_TAG]) == ("true", "true")
-    assert retry_failed[WILL_RETRY_TAG] == "false"  # max_retries: 1
+    assert retry_failed[WILL_RETRY_TAG] == "true"
+    assert second_retry_failed[WILL_RETRY_TAG] == "false"  # max_retries: 2

@@ -106,6 +106,7 @@ def hidden_states(
             layers.ids,
             shape.hidden_size,
             storage.path("vllm-extraction"),
+            context.log.info,
         ),
         layers,
         shape.hidden_size,

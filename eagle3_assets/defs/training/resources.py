@@ -18,6 +18,7 @@ class TrainingRecipe(dg.ConfigurableResource, TrainingSettings, EnvSettings):
         "batch_size": "EAGLE3_TRAIN_BATCH_SIZE",
         "lr": "EAGLE3_TRAIN_LR",
         "ttt_length": "EAGLE3_TTT_LENGTH",
+        "checkpoint_every": "EAGLE3_TRAIN_CHECKPOINT_EVERY",
         "nproc": "EAGLE3_TRAIN_NPROC",
         "nnodes": "EAGLE3_TRAIN_NNODES",
         "rdzv_endpoint": "EAGLE3_TRAIN_RDZV_ENDPOINT",

@@ -123,7 +123,7 @@ def _measure_on_new_server(
     log: Callable[[str], None],
 ) -> None:
     log(f"{contender.name}: starting vLLM at {spec.base_url} (log: {spec.log_file})")
-    start(spec)
+    start(spec, log)  # a killed attempt's server in spec.run_dir: reused or replaced
     try:
         loaded = wait_ready(spec, settings.load_timeout_s)
         model = spec.served_model_name or spec.model

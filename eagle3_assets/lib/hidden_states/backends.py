@@ -3,6 +3,7 @@ asset would otherwise assemble itself (launch specs, config parsing)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,10 +35,12 @@ def open_backend(
     layer_ids: tuple[int, ...],
     hidden_size: int,
     server_dir: Path,
+    log: Callable[[str], None] = print,
 ) -> AbstractContextManager[StateSource]:
     """The configured backend as a context manager (a server it starts, from `server_dir`, is
-    stopped on exit); loading it takes minutes for a big target, so extract_batch calls this
-    only when a shard is missing. On the CPU the vllm backend uses the CPU-build connector."""
+    stopped on exit; one a killed attempt left there is reused or replaced, said to `log`);
+    loading it takes minutes for a big target, so extract_batch calls this only when a shard
+    is missing. On the CPU the vllm backend uses the CPU-build connector."""
     from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, resolve_device
 
     if settings.backend == "hf":
@@ -58,4 +61,6 @@ def open_backend(
         cpu_kvcache_gib=1 if cpu else None,
         extra_args=tuple(settings.vllm_args),
     )
-    return extraction_server(serving, layer_ids, hidden_size, cpu, settings.vllm_load_timeout_s)
+    return extraction_server(
+        serving, layer_ids, hidden_size, cpu, settings.vllm_load_timeout_s, log=log
+    )

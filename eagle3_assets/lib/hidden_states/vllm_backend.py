@@ -20,7 +20,7 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -145,11 +145,13 @@ def extraction_server(
     cpu_build: bool,
     load_timeout_s: float,
     api_key: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> Iterator[VLLMStateSource]:
-    """Start an extraction server, yield a source reading from it, stop it whatever happens."""
+    """Start an extraction server (or reuse the identical one a killed attempt left running),
+    yield a source reading from it, stop it whatever happens."""
     spec = extraction_spec(serving, layer_ids, serving.run_dir / "hidden_states", cpu_build)
     (spec.run_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
-    start(spec)
+    start(spec, log)
     try:
         wait_ready(spec, timeout_s=load_timeout_s)
         yield VLLMStateSource(

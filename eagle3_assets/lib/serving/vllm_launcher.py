@@ -5,6 +5,10 @@ Why so careful: vLLM spawns engine/GPU worker processes that outlive a killed AP
 the venv on PATH fails an hour in), and a second server on a busy port dies late and
 confusingly. So: absolute interpreter, explicit PATH, its own session, pid + log files,
 SIGTERM then SIGKILL to the whole group, and a port check before anything starts.
+
+A run dir belongs to one step at a time, so a live server found there at start is an orphan
+of a killed attempt: reused when it is exactly the server asked for (launch.json records the
+argv and the environment it was started with), stopped otherwise; never a refusal forever.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shlex
@@ -20,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,40 +169,92 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def start(spec: VLLMLaunchSpec) -> int:
-    """Start the server in its own session and return its pid (= its process group id)."""
+def _ignore(message: str) -> None:
+    pass
+
+
+def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
+    """Start the server in its own session and return its pid (= its process group id).
+
+    A live server from `spec.run_dir` (an attempt killed while it ran) is reused when it was
+    started exactly as `spec` says (its pid is returned; wait_ready follows it), and stopped
+    otherwise; each is said through `log`."""
     previous = read_pid(spec.pid_file)
     if previous is not None and group_alive(previous):
-        raise LaunchError(
-            f"a server started from {spec.run_dir} is still running (pid {previous}); "
-            f"stop it first: eagle3-vllm stop --run-dir {spec.run_dir}"
+        difference = _launch_difference(spec, previous)
+        if difference is None:
+            log(
+                f"reusing the vLLM server (pid {previous}) a previous attempt left running "
+                f"in {spec.run_dir}"
+            )
+            return previous
+        log(
+            f"stopping the vLLM server (pid {previous}) a previous attempt left running in "
+            f"{spec.run_dir}: {difference}"
         )
+        terminate_group(previous, grace_s=30.0)
+        spec.pid_file.unlink(missing_ok=True)
     if port_in_use(spec.host, spec.port):
         raise LaunchError(
-            f"port {spec.port} on {spec.host} is already in use; refusing to start a second "
-            f"server there (pick another --port or stop whatever listens on it)"
+            f"port {spec.port} on {spec.host} is already in use by a process not started from "
+            f"{spec.run_dir}; refusing to start a second server there (pick another --port or "
+            f"stop whatever listens on it)"
         )
     cmd = build_command(spec)
     if not Path(cmd[0]).exists():
         raise LaunchError(f"serving interpreter not found: {cmd[0]} (create the serving venv)")
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(spec.log_file, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
-        log.flush()
+    with open(spec.log_file, "ab") as log_file:
+        log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
+        log_file.flush()
         process = subprocess.Popen(
             cmd,
             env=build_env(spec),
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=spec.run_dir,
         )
     spec.pid_file.write_text(f"{process.pid}\n")
-    (spec.run_dir / "launch.json").write_text(
-        json.dumps({"pid": process.pid, "base_url": spec.base_url, "argv": cmd}, indent=2)
-    )
+    record = {"pid": process.pid, "base_url": spec.base_url, **_fingerprint(spec)}
+    (spec.run_dir / "launch.json").write_text(json.dumps(record, indent=2))
     return process.pid
+
+
+def _fingerprint(spec: VLLMLaunchSpec) -> dict:
+    """What decides the server: its argv, and the environment the spec sets (hashed per
+    variable: launch.json must not carry a value that may be a secret)."""
+    env = build_env(spec, base_env={})
+    return {
+        "argv": build_command(spec),
+        "env_sha256": {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in env.items()},
+    }
+
+
+def _launch_difference(spec: VLLMLaunchSpec, pid: int) -> str | None:
+    """Why the live server `pid` in spec.run_dir is not the one `spec` describes, or None."""
+    try:
+        record = json.loads((spec.run_dir / "launch.json").read_text())
+    except (FileNotFoundError, ValueError):
+        record = {}
+    if record.get("pid") != pid or "env_sha256" not in record:
+        return "no launch.json records how it was started"
+    wanted = _fingerprint(spec)
+    if record["argv"] != wanted["argv"]:
+        return (
+            f"its command differs (was: {shlex.join(record['argv'])}; "
+            f"now: {shlex.join(wanted['argv'])})"
+        )
+    env = record["env_sha256"]
+    changed = sorted(
+        k
+        for k in env.keys() | wanted["env_sha256"].keys()
+        if env.get(k) != wanted["env_sha256"].get(k)
+    )
+    if changed:
+        return f"its environment differs in {', '.join(changed)}"
+    return None
 
 
 def stop(run_dir: Path, grace_s: float = 30.0) -> bool:
@@ -324,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(build_command(spec)))
         return 0
     try:
-        pid = start(spec)
-        print(f"started vLLM pid {pid} at {spec.base_url}; log: {spec.log_file}", flush=True)
+        pid = start(spec, log=lambda message: print(message, flush=True))
+        print(f"vLLM pid {pid} at {spec.base_url}; log: {spec.log_file}", flush=True)
         if args.wait:
             print(f"ready after {wait_ready(spec, args.wait):.0f}s")
     except LaunchError as error:

@@ -45,6 +45,13 @@ class Probe:
     def healthy(self) -> bool:
         return self.reach is Reach.OK and self.health_status == 200
 
+    @property
+    def instance_id(self) -> str | None:
+        """One server start (URL and process start time); keys its launch run. None when
+        the server does not say when it started."""
+        start = self.process_start_time
+        return f"{self.base_url}@{start:.0f}" if start is not None else None
+
 
 def _get(url: str, timeout_s: float, api_key: str | None) -> tuple[int, bytes]:
     request = urllib.request.Request(url)
@@ -204,17 +211,18 @@ def advance(
     """Fold one probe into the state; pure, so every edge is unit-testable."""
     state, detail = _state_of(previous, seen, expected_model)
     if state is ServerState.READY:
-        if previous.state is ServerState.READY:
+        # a new process start between two probes (a restart faster than a tick) is a new server
+        restarted = seen.instance_id is not None and seen.instance_id != previous.instance_id
+        if previous.state is ServerState.READY and not restarted:
             return replace(previous, detail=detail)
         count = previous.ready_count + 1
-        start = seen.process_start_time
         return replace(
             previous,
             state=state,
             seen_ready=True,
             loading_since=None,
             overdue=False,
-            instance_id=f"{seen.base_url}@{start:.0f}" if start else f"{seen.base_url}#{count}",
+            instance_id=seen.instance_id or f"{seen.base_url}#{count}",
             max_model_len=seen.max_model_len,
             version=seen.version,
             detail=detail,

@@ -1,11 +1,18 @@
 """drafter_checkpoint through Dagster: the real hub client, offline, reading a local cache."""
 
+import json
+import shutil
+from pathlib import Path
+
 import dagster as dg
 import pytest
 from safetensors.torch import load_file
 
+from eagle3_assets.definitions import resources_from_env
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.checkpoint.resources import DrafterHub
+from eagle3_assets.defs.generation.assets import synthetic_generations
+from eagle3_assets.defs.hidden_states.assets import hidden_states
 from eagle3_assets.localdev.hub import (
     LOCAL_DRAFTER_REPO,
     make_untrained_drafter,
@@ -112,3 +119,78 @@ def test_shape_mismatch_names_field_expected_and_found(test_world, test_hub, tmp
     assert not result.success
     message = str(result.get_step_failure_events()[0].event_specific_data.error)
     assert "hidden_size: expected 128 (target), found 64" in message
+
+
+def test_an_unchanged_revision_is_not_materialized_again(test_world, test_hub, tmp_path, offline):
+    """Every serving start requests the checkpoint; the same revision again records nothing,
+    so the eager automation re-extracts no batch. A new revision is a new materialization."""
+    hub = tmp_path / "hub"
+    shutil.copytree(test_hub, hub, symlinks=True)  # the session's hub stays as it is
+    resources_ = resources(hub, tmp_path, test_world.target_v2)
+    graph = dg.Definitions(
+        assets=[drafter_checkpoint, synthetic_generations, hidden_states],
+        resources=resources_from_env({}) | resources_,
+    )
+    key = dg.AssetKey("drafter_checkpoint")
+    batch = "batch-00000"
+    with dg.instance_for_test() as instance:
+
+        def materialize() -> dg.ExecuteInProcessResult:
+            return dg.materialize([drafter_checkpoint], resources=resources_, instance=instance)
+
+        def revisions() -> list[str]:
+            records = instance.fetch_materializations(key, limit=10).records
+            return [r.asset_materialization.metadata["revision"].value for r in records]
+
+        first = materialize()
+        (sha,) = revisions()
+        # a batch generated and extracted after it: the automation has nothing to do...
+        instance.add_dynamic_partitions("sample_batches", [batch])
+        for asset in ("synthetic_generations", "hidden_states"):
+            instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition=batch))
+        cursor = dg.evaluate_automation_conditions(defs=graph, instance=instance).cursor
+
+        second = materialize()  # ...and a serving restart's launch run changes nothing
+        assert second.success and second.get_asset_materialization_events() == []
+        assert revisions() == [sha]
+        logs = [r.user_message for r in instance.all_logs(second.run_id)]
+        unchanged = (
+            f"unchanged: {LOCAL_DRAFTER_REPO}@{sha[:12]} already materialized by run "
+            f"{first.run_id[:8]}"
+        )
+        assert sum(m.startswith(unchanged) for m in logs) == 1, logs
+        tick = dg.evaluate_automation_conditions(defs=graph, instance=instance, cursor=cursor)
+        assert tick.get_requested_partitions(dg.AssetKey("hidden_states")) == set()
+        assert tick.total_requested == 0
+
+        # a new revision of the drafter (its config edited) is a new materialization
+        repo = tmp_path / "new-revision"
+        shutil.copytree(hub_snapshot(hub, sha), repo)  # copies the files the links point to
+        config = json.loads((repo / "config.json").read_text())
+        (repo / "config.json").write_text(json.dumps({**config, "note": "v2"}))
+        new_sha = publish_to_hub_cache(repo, hub, LOCAL_DRAFTER_REPO)
+        third = materialize()
+        assert len(third.get_asset_materialization_events()) == 1
+        assert revisions() == [new_sha, sha] and new_sha != sha
+        tick = dg.evaluate_automation_conditions(defs=graph, instance=instance, cursor=tick.cursor)
+        assert tick.get_requested_partitions(dg.AssetKey("hidden_states")) == {batch}
+
+        # with a consumer in the same run it records again: a consumer whose dependency
+        # records nothing would be skipped
+        both = dg.materialize(
+            [drafter_checkpoint, consumer], resources=resources_, instance=instance
+        )
+        materialized = [e.asset_key for e in both.get_asset_materialization_events()]
+        assert materialized == [key, dg.AssetKey("consumer")]
+
+
+@dg.asset(deps=[drafter_checkpoint])
+def consumer() -> dg.MaterializeResult:
+    """Something that reads the checkpoint, selected in one run with it (as from the UI)."""
+    return dg.MaterializeResult()
+
+
+def hub_snapshot(hub: Path, sha: str) -> Path:
+    """The folder of revision `sha` of the local drafter in a hub cache."""
+    (snapshot,) = hub.glob(f"models--*/snapshots/{sha}")
+    return snapshot

@@ -42,8 +42,10 @@ def batch_ids(env: dict[str, str], key: str) -> list[str]:
 
 
 def release_killed_runs(instance: dg.DagsterInstance) -> None:
-    """What run monitoring does for a worker that died: mark its run failed and free the pool
-    slot it held (else the `vllm` pool, limit 1, stays taken by a dead run)."""
+    """The killed run was started by `dagster asset materialize`, outside any daemon, so no
+    run monitoring watches it: fail it and free its `vllm` slot here. This test is about what
+    the asset resumes; deploy/test_crash_recovery.py kills the daemon's runs and lets
+    monitoring and retries do this."""
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
         instance.report_run_failed(run, "its process was killed (kill -9)")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)

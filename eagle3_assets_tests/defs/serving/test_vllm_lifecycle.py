@@ -1,16 +1,27 @@
 """One real vLLM (CPU build) server through its whole life, watched by the readiness sensor:
 loading; ready, with ONE launch run through the real daemon in which the drafter download and
-the first batch run side by side; stopped: dead, and no process left behind."""
+the first batch run side by side; its engine killed: dead; started again: ONE new launch;
+stopped: dead, and no process left behind."""
 
 import dataclasses
+import os
+import signal
 import time
+from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.serving.sensors import vllm_readiness_sensor
-from eagle3_assets.lib.serving.vllm_launcher import group_members, start, stop, wait_ready
+from eagle3_assets.lib.serving.vllm_launcher import (
+    group_members,
+    log_tail,
+    start,
+    stop,
+    wait_ready,
+)
+from eagle3_assets.lib.serving.vllm_probe import Probe, probe
 from eagle3_assets.localdev.demo import follow_launch
 from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env, miniature_server
 from eagle3_assets.localdev.processes import running_daemon
@@ -75,11 +86,14 @@ def test_sensor_follows_a_real_vllm_server(
         env = miniature_env(
             test_world.root, test_hub, spec.base_url, tmp_path / "data", SERVED_TARGET_NAME
         )
+        since = time.time()
         with (
             running_daemon(dagster_home, env, tmp_path / "daemon.log"),
             dg.DagsterInstance.get() as instance,
         ):
-            run = follow_launch(instance, time.monotonic(), timeout_s=300, say=print)
+            run = follow_launch(
+                instance, time.monotonic(), 300, print, since=since, base_url=spec.base_url
+            )
             log = (tmp_path / "daemon.log").read_text()
             assert run.status == dg.DagsterRunStatus.SUCCESS, log
             assert run.tags["dagster/partition"] == "batch-00000"
@@ -105,6 +119,35 @@ def test_sensor_follows_a_real_vllm_server(
         download, batch = spans["drafter_checkpoint"], spans["synthetic_generations"]
         assert download["STEP_WORKER_STARTING"] < batch["STEP_SUCCESS"], spans
         assert batch["STEP_WORKER_STARTING"] < download["STEP_SUCCESS"], spans
+
+        # The engine dies (kill -9 of the engine core only, the API server left alive): vLLM
+        # 0.32's API server still answers 200 for a moment, then /health 503 for a few
+        # seconds, then exits by itself. Whichever the next tick meets, the server is dead.
+        with dg.instance_for_test() as scratch:
+            assert tick(scratch).asset_events == []  # still the ready server of the first part
+            (engine,) = [p for p in group_members(pgid) if b"EngineCore" in cmdline(p)]
+            os.kill(engine, signal.SIGKILL)
+            seen = wait_unhealthy(spec.base_url)
+            print(f"after the engine's kill: {seen}")
+            dead = tick(scratch)
+            (observation,) = dead.asset_events
+            assert observation.metadata["state"].value == "dead", observation.metadata
+            assert dead.run_requests == []
+            assert wait_until_gone(pgid) == [], log_tail(spec)  # the API server exited too
+            assert tick(scratch).asset_events == []  # dead, then still dead: nothing new
+
+            # Started again: loading is not ready; ready is ONE new launch, once.
+            pgid = start(spec)
+            wait_ready(spec, timeout_s=600)
+            back = tick(scratch)
+            assert [e.metadata["state"].value for e in back.asset_events] == ["ready"]
+            (relaunch,) = back.run_requests
+            assert relaunch.run_key != request.run_key
+            assert (
+                relaunch.tags["eagle3/server_instances"] != request.tags["eagle3/server_instances"]
+            )
+            again = tick(scratch)
+            assert again.run_requests == [] and again.asset_events == []
     finally:
         stop(spec.run_dir, grace_s=30)
 
@@ -115,3 +158,29 @@ def test_sensor_follows_a_real_vllm_server(
     assert observation.metadata["state"].value == "dead"
     assert "after it was ready" in observation.metadata["detail"].value
     assert dead.run_requests == []
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's argv (vLLM retitles its engine process `VLLM::EngineCore`)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def wait_unhealthy(base_url: str, timeout_s: float = 60.0) -> Probe:
+    """The first probe that is not healthy (or the last one, after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    seen = probe(base_url)
+    while seen.healthy and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen = probe(base_url)
+    return seen
+
+
+def wait_until_gone(pgid: int, timeout_s: float = 60.0) -> list[int]:
+    """The group's live members once empty, or as they are after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return group_members(pgid)

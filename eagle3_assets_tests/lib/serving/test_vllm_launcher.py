@@ -1,5 +1,7 @@
+import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,6 +31,7 @@ echo "$PATH" > path.txt
 echo "$@" > argv.txt
 env | sort > env.txt
 trap '' TERM
+touch trapped
 sleep 600 &
 sleep 600 &
 bash -c 'sleep 600' &
@@ -37,8 +40,16 @@ wait
 
 # The vllm#55510 shape: the API server obeys SIGTERM, its worker does not.
 WORKER_OUTLIVES_SERVER = """#!/bin/bash
-bash -c "trap '' TERM; sleep 600" &
+bash -c "trap '' TERM; touch trapped; sleep 600" &
 exec sleep 600
+"""
+
+# A server that obeys SIGTERM, as vLLM does (its group is stopped within the grace).
+OBEYS_TERM = """#!/bin/bash
+sleep 600 &
+sleep 600 &
+sleep 600 &
+wait
 """
 
 
@@ -72,7 +83,7 @@ def test_stop_leaves_no_process_in_the_group(tmp_path, monkeypatch, script):
     )
     pgid = start(spec)
     assert spec.pid_file.read_text().strip() == str(pgid)
-    wait_for(lambda: len(group_members(pgid)) >= 2)
+    wait_for(lambda: (spec.run_dir / "trapped").exists() and len(group_members(pgid)) >= 2)
     assert os.getpgid(pgid) == pgid != os.getpgid(0)  # its own group, not ours
 
     assert stop(spec.run_dir, grace_s=1.0) is True
@@ -125,14 +136,70 @@ def test_second_start_on_a_busy_port_is_refused(tmp_path):
     assert not spec.pid_file.exists()
 
 
-def test_second_start_from_the_same_run_dir_is_refused(tmp_path):
+def test_an_identical_server_left_in_the_run_dir_is_reused(tmp_path):
     spec = VLLMLaunchSpec(
         model="m", python=fake_venv(tmp_path, FAKE_SERVER), run_dir=tmp_path / "r", port=free_port()
     )
     pgid = start(spec)
+    said: list[str] = []
     try:
-        with pytest.raises(LaunchError, match=f"still running \\(pid {pgid}\\)"):
-            start(spec)
+        wait_for(lambda: len(group_members(pgid)) >= 4)
+        members = sorted(group_members(pgid))
+        assert start(spec, log=said.append) == pgid
+        assert sorted(group_members(pgid)) == members  # nothing started, nothing stopped
+        assert spec.log_file.read_text().count("\n=== ") == 1  # one launch in the log
+    finally:
+        stop(spec.run_dir, grace_s=0.5)
+    assert said == [
+        f"reusing the vLLM server (pid {pgid}) a previous attempt left running in {spec.run_dir}"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"max_model_len": 512}, r"its command differs \(was: .* --port \d+; now: .* 512\)"),
+        ({"cpu_kvcache_gib": 2}, "its environment differs in VLLM_CPU_KVCACHE_SPACE$"),
+        ({"extra_env": {"SECRET": "s3cr3t"}}, "its environment differs in SECRET$"),
+        ({"launch_json": "gone"}, "no launch.json records how it was started$"),
+    ],
+)
+def test_another_server_left_in_the_run_dir_is_stopped_then_replaced(tmp_path, change, why):
+    old = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, OBEYS_TERM), run_dir=tmp_path / "r", port=free_port()
+    )
+    pgid = start(old)
+    wait_for(lambda: len(group_members(pgid)) >= 4)
+    if change.pop("launch_json", None):
+        (old.run_dir / "launch.json").unlink()
+    new = dataclasses.replace(old, **change)
+    said: list[str] = []
+    try:
+        started = start(new, log=said.append)
+        assert started != pgid and group_members(pgid) == []
+        wait_for(lambda: len(group_members(started)) >= 4)
+        assert new.pid_file.read_text().strip() == str(started)
+        assert json.loads((new.run_dir / "launch.json").read_text())["pid"] == started
+    finally:
+        stop(new.run_dir, grace_s=0.5)
+    assert group_members(started) == []
+    (line,) = said
+    prefix = f"stopping the vLLM server (pid {pgid}) a previous attempt left running in "
+    assert line.startswith(prefix + f"{old.run_dir}: ")
+    assert re.fullmatch(why, line.removeprefix(prefix + f"{old.run_dir}: ")), line
+    assert "s3cr3t" not in (new.run_dir / "launch.json").read_text()  # hashed, never written
+
+
+def test_a_dead_server_left_in_the_run_dir_is_simply_replaced(tmp_path):
+    spec = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, FAKE_SERVER), run_dir=tmp_path / "r", port=free_port()
+    )
+    pgid = start(spec)
+    vllm_launcher.terminate_group(pgid, grace_s=0.1)  # its pid file stays: killed, not stopped
+    said: list[str] = []
+    started = start(spec, log=said.append)
+    try:
+        assert started != pgid and said == []
     finally:
         stop(spec.run_dir, grace_s=0.5)
 

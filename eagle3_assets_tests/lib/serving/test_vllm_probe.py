@@ -167,6 +167,19 @@ def test_restart_is_a_new_instance():
     assert back.instance_id == "http://s:1@200" != ready.instance_id
 
 
+def test_a_restart_between_two_probes_is_a_new_instance():
+    """Restarted faster than a tick: never seen down, but a new process start time."""
+    ready = step(Readiness(), ready_probe(start=100.0), 0.0)
+    back = step(ready, ready_probe(start=200.0), 10.0)
+    assert (back.state, back.instance_id, back.ready_count) == (
+        ServerState.READY,
+        "http://s:1@200",
+        2,
+    )
+    assert worth_recording(ready, back)
+    assert step(back, ready_probe(start=200.0), 20.0) == back  # the same start: nothing new
+
+
 def test_without_start_time_instances_are_counted():
     first = step(Readiness(), ready_probe(start=None), 0.0)
     back = step(step(first, REFUSED, 1.0), ready_probe(start=None), 2.0)
