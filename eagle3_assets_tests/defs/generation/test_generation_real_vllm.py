@@ -41,16 +41,6 @@ def batch_ids(env: dict[str, str], key: str) -> list[str]:
     return [c.prompt_id for c in resources_from_env(env)["prompt_pool"].batch(key)]
 
 
-def release_killed_runs(instance: dg.DagsterInstance) -> None:
-    """The killed run was started by `dagster asset materialize`, outside any daemon, so no
-    run monitoring watches it: fail it and free its `vllm` slot here. This test is about what
-    the asset resumes; deploy/test_crash_recovery.py kills the daemon's runs and lets
-    monitoring and retries do this."""
-    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
-        instance.report_run_failed(run, "its process was killed (kill -9)")
-        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-
-
 def materialize(instance, env: dict[str, str], key: str) -> dg.ExecuteInProcessResult:
     return dg.materialize(
         [synthetic_generations],
@@ -116,8 +106,11 @@ def test_kill_minus_9_mid_batch_then_resume(pipeline_env, dagster_home, vllm_tar
 
     wait_idle(vllm_target.base_url)
     before = requests_served(vllm_target.base_url)
-    with dg.DagsterInstance.get() as instance:
-        release_killed_runs(instance)
+    # What resumes is on disk, not in the instance: a fresh one (the killed run, started
+    # outside any daemon, still holds its `vllm` slot in the other; deploy/
+    # test_crash_recovery.py is where monitoring and retries free a killed run's).
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("sample_batches", [key])
         result = materialize(instance, pipeline_env, key)
     sent_again = requests_served(vllm_target.base_url) - before
     assert result.success
