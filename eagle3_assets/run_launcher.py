@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from dagster import DagsterEventType, DagsterRun, DefaultRunLauncher
+from dagster import DagsterEventType, DagsterInstance, DagsterRun, DefaultRunLauncher
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
 
@@ -36,7 +36,7 @@ class MonitoredRunLauncher(DefaultRunLauncher):
             return CheckRunHealthResult(WorkerStatus.RUNNING, "not launched by this launcher")
         server = json.loads(run.tags[GRPC_INFO_TAG])
         where = server.get("socket") or f"{server.get('host')}:{server.get('port')}"
-        worker = self._worker_started(run.run_id)
+        worker = worker_started(self._instance, run.run_id)
         if worker is not None and ("socket" in server or server.get("host") in LOCAL_HOSTS):
             pid, reported_at = worker
             started = process_start_time(pid)
@@ -50,15 +50,6 @@ class MonitoredRunLauncher(DefaultRunLauncher):
                 "keeps its progress on disk; the retry resumes from there.",
             )
         return self._ask_code_server(run.run_id, server, where)
-
-    def _worker_started(self, run_id: str) -> tuple[int, float] | None:
-        """(pid, time reported) of the run's worker, from the engine event its server wrote."""
-        records = self._instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT)
-        for record in records:
-            if record.message.startswith(WORKER_STARTED):
-                pid = record.dagster_event.engine_event_data.metadata["pid"].value
-                return int(pid), record.timestamp
-        return None
 
     def _ask_code_server(self, run_id: str, server: dict, where: str) -> CheckRunHealthResult:
         """A worker on another host: its code server knows whether it still runs it."""
@@ -86,6 +77,15 @@ class MonitoredRunLauncher(DefaultRunLauncher):
             "was killed or restarted). Every asset keeps its progress on disk; the retry "
             "resumes from there.",
         )
+
+
+def worker_started(instance: DagsterInstance, run_id: str) -> tuple[int, float] | None:
+    """(pid, time reported) of the run's worker, from the engine event its server wrote."""
+    for record in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        if record.message.startswith(WORKER_STARTED):
+            pid = record.dagster_event.engine_event_data.metadata["pid"].value
+            return int(pid), record.timestamp
+    return None
 
 
 def process_start_time(pid: int) -> float | None:

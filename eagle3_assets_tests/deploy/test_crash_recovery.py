@@ -31,7 +31,7 @@ from eagle3_assets.lib.serving.vllm_launcher import group_members, read_pid, sto
 from eagle3_assets.lib.serving.vllm_probe import probe
 from eagle3_assets.lib.training.train_drafter import RunConfig, train
 from eagle3_assets.localdev.processes import running_daemon
-from eagle3_assets.run_launcher import WORKER_STARTED
+from eagle3_assets.run_launcher import worker_started
 from eagle3_assets_tests.conftest import SMALL_DRAFTER, free_port
 
 # A hang guard, not a speed bound: a whole pipeline, four kills and their retries.
@@ -178,7 +178,7 @@ def test_pipeline_survives_kill_minus_9_at_every_stage(
                     "evaluation server up",
                     log,
                 )
-                worker = worker_pid(instance, run.run_id)
+                worker, _ = worker_started(instance, run.run_id)
                 steps_below = [p for p in descendants(worker)[1:] if os.getpgid(p) != orphan]
                 for pid in [worker, *steps_below]:
                     os.kill(pid, signal.SIGKILL)
@@ -263,14 +263,6 @@ def evaluating(
         if seen == {dg.DagsterEventType.STEP_START} and server and probe(url).healthy:
             return run, server
     return None
-
-
-def worker_pid(instance: dg.DagsterInstance, run_id: str) -> int:
-    """The run worker's pid, from the event its code server wrote when it started it."""
-    for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
-        if record.message.startswith(WORKER_STARTED):
-            return int(record.dagster_event.engine_event_data.metadata["pid"].value)
-    raise AssertionError(f"run {run_id} has no worker pid event")
 
 
 def processes_under(directory: Path) -> list[int]:
