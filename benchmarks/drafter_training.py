@@ -166,7 +166,7 @@ def prepare_miniature(plan: Plan, work: Path) -> tuple[Path, Path, Path, dict]:
     started = time.perf_counter()
     rows = greedy_generation_rows(target, world.prompts, plan.rows, plan.max_new_tokens)
     generation_s = time.perf_counter() - started
-    sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(target))
+    sequences = build_sequences(rows, AutoTokenizer.from_pretrained(target))
     hidden_states = work / "hidden_states"
     summary = extract_batch(
         sequences,

@@ -34,7 +34,7 @@ from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_serve
 from eagle3_assets.localdev.world import build_world
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = LayerSelection(aux=(2, 4, 5), final=8, source="the world drafter's")
+LAYERS = LayerSelection(aux=(3, 5, 6), final=8, source="the world drafter's")
 SAMPLES, MAX_NEW_TOKENS, STEPS, DRAFT_TOKENS = 192, 96, 200, 3
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     world = build_world(REPO / "data" / "world", "demo", log=print)
     warm = train_world_drafter(world, draft_vocab_size=1024)
     rows = greedy_generation_rows(world.target_v2, world.prompts, SAMPLES, MAX_NEW_TOKENS)
-    sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(world.target_v2))
+    sequences = build_sequences(rows, AutoTokenizer.from_pretrained(world.target_v2))
     prompts = [list(c.messages) for c in load_conversations(world.heldout_prompts)]
     results: dict[str, Acceptance] = {}
     with tempfile.TemporaryDirectory() as scratch:

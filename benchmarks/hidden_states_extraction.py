@@ -249,7 +249,7 @@ def main() -> None:
     world = build_world(REPO / "data" / "world", "demo", log=print)
     tokenizer = AutoTokenizer.from_pretrained(world.target_v2)
     rows = greedy_generation_rows(world.target_v2, world.prompts, count=64, max_new_tokens=128)
-    corpus, _ = build_sequences(rows, tokenizer)
+    corpus = build_sequences(rows, tokenizer)
     synthetic = synthetic_sequences(48, 2048)
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(scratch)

@@ -3,6 +3,7 @@ resources live in defs/<domain>/resources.py; definitions.py reads them all from
 environment."""
 
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -26,6 +27,25 @@ class TargetModel(dg.ConfigurableResource, EnvSettings):
 
     def shape(self) -> TargetShape:
         return TargetShape.from_config(Path(self.path))
+
+    def tokenizer(self) -> Any:
+        """The target's tokenizer and chat template, loaded as every step that renders or
+        tokenizes prompts loads them: code shipped with the target (Kimi's tokenizer) runs
+        only when the user set trust_remote_code."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(
+                self.path, trust_remote_code=self.trust_remote_code
+            )
+        except ValueError as error:
+            if self.trust_remote_code or "trust_remote_code" not in str(error):
+                raise
+            raise ValueError(
+                f"EAGLE3_TRUST_REMOTE_CODE: expected 1 to load the target's tokenizer in "
+                f"{self.path}, which is code shipped with the target (auto_map), found it off; "
+                "set it only if you trust that code"
+            ) from error
 
 
 class Storage(dg.ConfigurableResource, EnvSettings):

@@ -30,10 +30,19 @@ SMALL_DRAFTER = {
 }
 
 
+def _test_cache() -> Path:
+    return Path(os.environ.get("EAGLE3_TEST_CACHE", REPO / "data" / "test-cache"))
+
+
 @pytest.fixture(scope="session")
 def test_world() -> World:
-    cache = Path(os.environ.get("EAGLE3_TEST_CACHE", REPO / "data" / "test-cache"))
-    return build_world(cache, "test", log=lambda message: None)
+    return build_world(_test_cache(), "test", log=lambda message: None)
+
+
+@pytest.fixture(scope="session")
+def kimi_world() -> World:
+    """The Kimi-shaped test world (DeepSeek-V3 targets, a remote-code tokenizer)."""
+    return build_world(_test_cache(), "kimi-test", log=lambda message: None)
 
 
 @pytest.fixture(scope="session")
@@ -87,5 +96,5 @@ def vllm_target(test_world, serving_python, tmp_path_factory) -> VLLMLaunchSpec:
 def pipeline_env(test_world, test_hub, vllm_target, tmp_path) -> dict[str, str]:
     """EAGLE3_* settings pointing the pipeline at the session server and a fresh data root."""
     return miniature_env(
-        test_world.root, test_hub, vllm_target.base_url, tmp_path / "data", SERVED_TARGET_NAME
+        test_world, test_hub, vllm_target.base_url, tmp_path / "data", SERVED_TARGET_NAME
     )

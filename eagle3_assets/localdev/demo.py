@@ -1,6 +1,8 @@
-"""`make demo`: the whole story on the miniature world, through Dagster's real daemon path.
+"""`make demo`: the whole story on a miniature world, through Dagster's real daemon path.
 
-Builds the world, starts vLLM on the newer target (it plays Kimi-K2.5), starts the Dagster
+Builds the world (by default the Kimi one: DeepSeek-V3 targets, a remote-code tokenizer, a
+thinking template; `--world llama` for the Llama one), starts vLLM on the newer target (it
+plays Kimi-K2.5), starts the Dagster
 daemon, and follows what a user would watch in the UI: the readiness sensor observing the
 server load and become ready; the launch run it requests (the drafter download beside the
 first batch); the other batches; each batch's hidden states; the finetuning once every batch
@@ -11,6 +13,7 @@ retries the runs the stop interrupted.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ from eagle3_assets.localdev.miniature import (
 from eagle3_assets.localdev.processes import running_daemon
 from eagle3_assets.localdev.world import build_world
 
+DEMO_WORLDS = {"kimi": "kimi-demo", "llama": "demo"}  # `make demo WORLD=llama`: the Llama one
 LAUNCH_JOB = "launch"
 SENSOR_NAME = "vllm_readiness_sensor"
 
@@ -218,9 +222,24 @@ def outcome(instance, record, say) -> int:
     return 0 if verdicts and all(c.passed for c in verdicts) else 1
 
 
-def main() -> int:
+def claim_data(data: Path, size: str) -> str | None:
+    """Mark `data` as holding the story of world `size`; the story of another world there
+    (its generations, shards and Dagster history) is refused, not mixed in: its name is
+    returned."""
+    marker = data / "demo-world"
+    if marker.exists() and marker.read_text().strip() != size:
+        return marker.read_text().strip()
+    data.mkdir(parents=True, exist_ok=True)
+    marker.write_text(size + "\n")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     import dagster as dg
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", choices=DEMO_WORLDS, default="kimi")
+    args = parser.parse_args(argv)
     data = Path(os.environ.get("EAGLE3_DATA", PROJECT_ROOT / "data"))
     dagster_home = Path(os.environ.get("DAGSTER_HOME", PROJECT_ROOT / ".dagster_home"))
     port = int(os.environ.get("EAGLE3_DEMO_PORT", "8000"))
@@ -229,7 +248,12 @@ def main() -> int:
         print(f"[demo] {message}", flush=True)
 
     started, since = time.monotonic(), time.time()
-    world = build_world(data / "world", "demo", log=say)
+    size = DEMO_WORLDS[args.world]
+    other = claim_data(data, size)
+    if other is not None:
+        say(f"{data} holds the story of world {other!r}, not {size!r}: `make clean` first")
+        return 1
+    world = build_world(data / "world", size, log=say)
     hub = world.root / "hub"
     say("the world's warm-start drafter: EAGLE-3 trained on target-v1 (built once)")
     sha = publish_local_drafter(world, hub, draft_vocab_size=1024)
@@ -240,7 +264,9 @@ def main() -> int:
             say("the story is complete already (`make clean` starts it over):")
             return outcome(instance, done, say)
 
-    spec = miniature_server(world.target_v2, data / "vllm", port, SERVED_TARGET_NAME)
+    spec = miniature_server(
+        world.target_v2, data / "vllm", port, SERVED_TARGET_NAME, world.spec.trust_remote_code
+    )
     current = probe(spec.base_url)
     if current.healthy and SERVED_TARGET_NAME in current.model_ids:
         say(f"vLLM already serves {SERVED_TARGET_NAME} at {spec.base_url}: reusing it")
@@ -262,7 +288,7 @@ def main() -> int:
                 f"as {SERVED_TARGET_NAME}; log: {spec.log_file}"
             )
 
-    env = miniature_env(world.root, hub, spec.base_url, data, SERVED_TARGET_NAME) | DEMO_SETTINGS
+    env = miniature_env(world, hub, spec.base_url, data, SERVED_TARGET_NAME) | DEMO_SETTINGS
     with running_daemon(dagster_home, env, data / "dagster-daemon.log"):
         say(
             f"dagster daemon running (DAGSTER_HOME={dagster_home}); the readiness sensor "

@@ -4,6 +4,7 @@ warm-start drafter, without starting a server."""
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -15,16 +16,25 @@ BATCH = 16  # prompts per generate call, left-padded
 
 
 def greedy_generation_rows(
-    target: Path, prompts: Path, count: int, max_new_tokens: int
+    target: Path,
+    prompts: Path,
+    count: int,
+    max_new_tokens: int,
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
 ) -> list[dict]:
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    """Greedy answers to the first `count` prompts, rendered with `chat_template_kwargs` as a
+    server would be asked to (a world's spec says which, and whether its tokenizer needs
+    `trust_remote_code`)."""
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     conversations = load_conversations(prompts)[:count]
     rows = []
     for start in range(0, len(conversations), BATCH):
         chunk = conversations[start : start + BATCH]
         messages = [[dict(m) for m in c.messages] for c in chunk]
-        prompt_ids = [render_prompt_ids(tokenizer, m, {}) for m in messages]
+        prompt_ids = [render_prompt_ids(tokenizer, m, chat_template_kwargs or {}) for m in messages]
         longest = max(len(ids) for ids in prompt_ids)
         ids = torch.full((len(chunk), longest), tokenizer.pad_token_id)
         mask = torch.zeros(len(chunk), longest, dtype=torch.long)

@@ -1,9 +1,12 @@
 """The miniature world's hub: an EAGLE-3 drafter for target-v1 in the SpecForge v0.2 layout,
 and a Hugging Face hub cache holding it, so that the real client downloads it offline.
 
-The drafter looks like AQ-MedAI's: ids nested in `eagle_config` in SGLang convention, no
-`embed_tokens`, and a pickled `training_state.pt` beside the weights that must never be
-downloaded or unpickled.
+The drafter looks like AQ-MedAI's: ids nested in `eagle_config`, no `embed_tokens`, and a
+pickled `training_state.pt` beside the weights that must never be downloaded or unpickled.
+Like AQ-MedAI's [2, 30, 58] for 61 layers, its nested list is vLLM's default for the target,
+so the file cannot say which convention it is in: the world drafter can be trained on either
+reading of that same list, and the published one is trained on the SGLang reading
+(SpecForge's convention). For a DeepSeek-V3 (Kimi) target the config has AQ-MedAI's fields.
 """
 
 import hashlib
@@ -12,6 +15,7 @@ import os
 import pydoc_data.topics
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +24,15 @@ from huggingface_hub.file_download import repo_folder_name
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from eagle3_assets.lib.core.layer_ids import default_aux_layers, vllm_to_sglang
+from eagle3_assets.lib.core.layer_ids import (
+    KEY,
+    Reading,
+    default_aux_layers,
+    sglang_to_vllm,
+    vllm_to_sglang,
+)
+from eagle3_assets.lib.core.target import target_config
+from eagle3_assets.localdev.tokenization_kimi_mini import BPE_FILE
 from eagle3_assets.localdev.world import World
 
 # Target config fields the drafter's single decoder layer shares, when the target has them.
@@ -36,6 +48,18 @@ SHARED_FIELDS = (
     "pad_token_id",
     "dtype",
 )
+# What AQ-MedAI/Kimi-K2-Instruct-eagle3's config says beyond the shapes: its own plain rope
+# (no YaRN: the target's rope_scaling is not the drafter's), its window, its norm epsilon.
+KIMI_DRAFTER_FIELDS = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 131072,
+    "initializer_range": 0.02,
+    "use_cache": True,
+}
+KIMI_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # the targets whose drafters AQ-MedAI's plays
 
 
 def draft_vocab(tokenizer_file: Path, vocab_size: int, draft_vocab_size: int) -> list[int]:
@@ -49,21 +73,34 @@ def draft_vocab(tokenizer_file: Path, vocab_size: int, draft_vocab_size: int) ->
 
 
 def make_untrained_drafter(
-    target_dir: Path, out_dir: Path, draft_vocab_size: int, seed: int
+    target_dir: Path,
+    out_dir: Path,
+    draft_vocab_size: int,
+    seed: int,
+    nested_ids: Sequence[int] | None = None,
 ) -> Path:
     """Write a randomly initialised EAGLE-3 drafter for the target in `target_dir` (config.json
-    and tokenizer.json) to `out_dir`: config.json, model.safetensors, training_state.pt."""
-    target = json.loads((target_dir / "config.json").read_text())
+    and its BPE file) to `out_dir`: config.json, model.safetensors, training_state.pt.
+    `nested_ids` is the list written to `eagle_config` (default: vLLM's default ids in SGLang
+    convention, which only the SGLang reading keeps in range)."""
+    target = target_config(target_dir)
     H, vocab = target["hidden_size"], target["vocab_size"]
     heads = target["num_attention_heads"]
-    kv_heads = target.get("num_key_value_heads") or heads
-    head_dim = target.get("head_dim") or H // heads
+    kimi = target.get("model_type") in KIMI_MODEL_TYPES
+    # AQ-MedAI's drafter: as many KV heads as heads (64/64), and head_dim its own (128).
+    kv_heads = heads if kimi else target.get("num_key_value_heads") or heads
+    head_dim = H // heads if kimi else target.get("head_dim") or H // heads
     intermediate = target["intermediate_size"]
     if not 0 < draft_vocab_size <= vocab:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} not in [1, {vocab}]")
-    dtype = getattr(torch, target.get("dtype") or "float32")
+    dtype = getattr(torch, target.get("dtype") or target.get("torch_dtype") or "float32")
+    if nested_ids is None:
+        nested_ids = vllm_to_sglang(default_aux_layers(target["num_hidden_layers"]))
 
-    ids = torch.tensor(draft_vocab(target_dir / "tokenizer.json", vocab, draft_vocab_size))
+    bpe = target_dir / "tokenizer.json"
+    if not bpe.exists():  # the Kimi world's remote-code tokenizer keeps its BPE elsewhere
+        bpe = target_dir / BPE_FILE
+    ids = torch.tensor(draft_vocab(bpe, vocab, draft_vocab_size))
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     d2t = ids - torch.arange(draft_vocab_size)  # target id = draft id + d2t[draft id]
@@ -93,6 +130,12 @@ def make_untrained_drafter(
         "d2t": d2t,
         "t2d": t2d,
     }
+    if kimi:
+        tokens = ("bos_token_id", "eos_token_id", "pad_token_id")
+        shared = {**{f: target[f] for f in tokens if f in target}, **KIMI_DRAFTER_FIELDS}
+        shared["torch_dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        shared = {field: target[field] for field in SHARED_FIELDS if field in target}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -105,13 +148,8 @@ def make_untrained_drafter(
         "head_dim": head_dim,
         "intermediate_size": intermediate,
         "tie_word_embeddings": False,
-        **{field: target[field] for field in SHARED_FIELDS if field in target},
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(
-                vllm_to_sglang(default_aux_layers(target["num_hidden_layers"]))
-            ),
-            "use_aux_hidden_state": True,
-        },
+        **shared,
+        "eagle_config": {KEY: list(nested_ids), "use_aux_hidden_state": True},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -151,16 +189,35 @@ def publish_to_hub_cache(
 LOCAL_DRAFTER_REPO = "local/target-v1-eagle3"  # plays AQ-MedAI/Kimi-K2-Instruct-eagle3
 
 
-DRAFTER_RECIPE_VERSION = 1  # bump when the world drafter's recipe changes: a new cache entry
+DRAFTER_RECIPE_VERSION = 2  # bump when the world drafter's recipe changes: a new cache entry
+PUBLISHED_READING = Reading.SGLANG  # the world's published drafter, as SpecForge writes ids
 
 
-def train_world_drafter(world: World, draft_vocab_size: int, steps: int = 100) -> Path:
+def trained_layers(nested_ids: Sequence[int], reading: Reading) -> tuple[int, ...]:
+    """The vLLM ids a drafter whose config nests `nested_ids` was trained on, per reading."""
+    return sglang_to_vllm(nested_ids) if reading is Reading.SGLANG else tuple(nested_ids)
+
+
+def published_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The vLLM ids the world's published drafter was trained on: what a user who knows its
+    history sets as EAGLE3_AUX_LAYER_IDS (the miniature's adjacent layers are too alike for
+    the layer probe to tell its two readings apart)."""
+    return trained_layers(default_aux_layers(num_layers), PUBLISHED_READING)
+
+
+def train_world_drafter(
+    world: World, draft_vocab_size: int, steps: int = 100, reading: Reading = PUBLISHED_READING
+) -> Path:
     """The world's "K2 drafter": EAGLE-3 trained with this project's code on target-v1's own
-    greedy answers, saved in the SpecForge v0.2 layout (ids nested, SGLang convention, a
-    pickle beside it), as AQ-MedAI's drafter was trained for Kimi-K2. Built once per world
-    and vocab size (in a temp dir renamed into place), so republishing is a no-op."""
+    greedy answers, saved in the SpecForge v0.2 layout (ids nested, a pickle beside it), as
+    AQ-MedAI's drafter was trained for Kimi-K2. Its nested list is vLLM's default for the
+    target, and it is trained on that list's `reading`: the two drafters of the two readings
+    have the same config and differ only in the layers their weights learned. Built once per
+    world, vocab size and reading (in a temp dir renamed into place), so republishing is a
+    no-op."""
     from transformers import AutoTokenizer
 
+    from eagle3_assets.lib.checkpoint.layer_probe import LayerIdDecision, pin_layer_ids
     from eagle3_assets.lib.hidden_states.extract import (
         ExtractionSettings,
         LayerSelection,
@@ -172,21 +229,37 @@ def train_world_drafter(world: World, draft_vocab_size: int, steps: int = 100) -
     from eagle3_assets.lib.training.train_drafter import RunConfig, train
     from eagle3_assets.localdev.greedy import greedy_generation_rows
 
-    out_dir = world.root / f"k2-drafter-{draft_vocab_size}-v{DRAFTER_RECIPE_VERSION}"
+    reading = Reading(reading)
+    name = f"k2-drafter-{draft_vocab_size}-{reading}-v{DRAFTER_RECIPE_VERSION}"
+    out_dir = world.root / name
     if (out_dir / "model.safetensors").exists():
         return out_dir
     target = world.target_v1
-    config = json.loads((target / "config.json").read_text())
+    config = target_config(target)
+    nested = default_aux_layers(config["num_hidden_layers"])  # the trap: vLLM's default
     layers = LayerSelection(
-        aux=default_aux_layers(config["num_hidden_layers"]),
+        aux=trained_layers(nested, reading),
         final=config["num_hidden_layers"],
-        source="vLLM default",
+        source=f"nested {list(nested)} read as {reading} ids",
     )
     with tempfile.TemporaryDirectory(dir=world.root) as scratch:
         work = Path(scratch)
-        untrained = make_untrained_drafter(target, work / "drafter", draft_vocab_size, seed=0)
-        rows = greedy_generation_rows(target, world.prompts, count=64, max_new_tokens=64)
-        sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(target))
+        untrained = make_untrained_drafter(
+            target, work / "drafter", draft_vocab_size, seed=0, nested_ids=nested
+        )
+        rows = greedy_generation_rows(
+            target,
+            world.prompts,
+            count=64,
+            max_new_tokens=64,
+            chat_template_kwargs=world.spec.chat_template_kwargs,
+            trust_remote_code=world.spec.trust_remote_code,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            target,
+            trust_remote_code=world.spec.trust_remote_code,  # Kimi's tokenizer: remote code
+        )
+        sequences = build_sequences(rows, tokenizer, world.spec.chat_template_kwargs)
         extract_batch(
             sequences,
             work / "hidden_states",
@@ -196,9 +269,14 @@ def train_world_drafter(world: World, draft_vocab_size: int, steps: int = 100) -
             ExtractionSettings(ShardFormat("bf16", "bf16")),
             {"target": "target-v1"},
         )
+        # trained from a copy whose config pins the reading's layers; published with the
+        # untrained drafter's config, which names only the nested list
+        warm = work / "warm"
+        shutil.copytree(untrained, warm)
+        pin_layer_ids(warm, LayerIdDecision(layers.aux, f"{reading} reading", list(nested)))
         run = RunConfig(
             batch_dirs=[str(work / "hidden_states")],
-            warm_start=str(untrained),
+            warm_start=str(warm),
             target=str(target),
             out_dir=str(work / "run"),
             steps=steps,

@@ -1,8 +1,11 @@
-"""Build (or reuse) the miniature world: tokenizer, target-v1, target-v2 and the prompt pool.
+"""Build (or reuse) a miniature world: tokenizer, target-v1, target-v2 and the prompt pool.
 
 It stands in for a big deployment offline and deterministically: the same spec gives the same
-bytes. A world is cached under <root>/<size> and keyed by a hash of its spec, and it is built
-in a temporary directory renamed into place, so a killed build never looks complete.
+bytes. A world's family shapes its targets and tokenizer: "llama" (tiny Llama targets, a plain
+tokenizer) or "kimi" (Kimi-K2-shaped DeepSeek-V3 targets, a remote-code tokenizer with Kimi's
+chat template, prompts rendered in instant mode). A world is cached under <root>/<size> and
+keyed by a hash of its spec, and it is built in a temporary directory renamed into place, so a
+killed build never looks complete.
 
     python -m eagle3_assets.localdev.world --size demo --root data/world
 """
@@ -17,8 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from eagle3_assets.localdev.prompts import topics
+from eagle3_assets.localdev.tokenizer import CHAT_FORMATS, ChatFormat
 
 BUILD_VERSION = 2  # bump when the build changes what it writes for the same spec
 
@@ -29,9 +34,9 @@ class WorldSpec:
 
     vocab_size: int
     hidden_size: int
-    num_heads: int  # head_dim = hidden_size // num_heads must be 32 or 64 for vLLM's CPU backend
-    num_kv_heads: int
-    intermediate_size: int
+    num_heads: int  # llama: head_dim = hidden_size // num_heads must be 32 or 64 for vLLM's CPU
+    num_kv_heads: int  # kimi: equal to num_heads (MLA)
+    intermediate_size: int  # kimi: the dense first layer's (the experts' is fixed)
     seq_len: int
     batch_size: int
     lr: float
@@ -41,6 +46,28 @@ class WorldSpec:
     max_topic_chars: int | None = None  # keep only shorter topics: less to learn
     threads: int = 1  # torch threads; results are bit-identical only for the same count
     seed: int = 0
+    family: str = "llama"  # a key of CHAT_FORMATS (tokenizer.py) and TARGET_CONFIGS (targets.py)
+
+    def __post_init__(self) -> None:
+        if self.family not in CHAT_FORMATS:
+            raise ValueError(f"unknown family {self.family!r}; valid: {', '.join(CHAT_FORMATS)}")
+
+    @property
+    def chat(self) -> ChatFormat:
+        return CHAT_FORMATS[self.family]
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """Whether loading the world's tokenizer (in transformers or vLLM) needs
+        trust_remote_code: EAGLE3_TRUST_REMOTE_CODE and vLLM's --trust-remote-code."""
+        return self.chat.remote_code
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None:
+        """The rendering the targets were trained on, which generation must ask for
+        (EAGLE3_CHAT_TEMPLATE_KWARGS); None: the template's defaults."""
+        kwargs = self.chat.template_kwargs
+        return None if kwargs is None else dict(kwargs)
 
     def topic_keys(self) -> tuple[str, ...]:
         """The topics this world's targets learn and its prompts ask about."""
@@ -50,7 +77,10 @@ class WorldSpec:
     def digest(self) -> str:
         """Hash of the spec, the build version and the topic corpus (it varies by Python)."""
         corpus = hashlib.sha256(json.dumps(topics(), sort_keys=True).encode()).hexdigest()
-        payload = {"spec": asdict(self), "build_version": BUILD_VERSION, "corpus": corpus}
+        spec = asdict(self)
+        if self.family == "llama":
+            del spec["family"]  # Llama worlds keep the hashes they had before families existed
+        payload = {"spec": spec, "build_version": BUILD_VERSION, "corpus": corpus}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -84,6 +114,41 @@ SIZES: dict[str, WorldSpec] = {
         v2_steps=450,
         num_prompts=500,
         threads=2,
+    ),
+    # Kimi-shaped (targets.kimi_config: a 5.5M-parameter DeepSeek-V3, ~10x the test Llama's
+    # compute per token), for tests: the 33 topics of at most 1200 characters, learnt nearly by
+    # heart so that greedy answers read like text (at lr 3e-3 they loop on quote marks).
+    "kimi-test": WorldSpec(
+        vocab_size=1024,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=512,
+        seq_len=64,
+        batch_size=8,
+        lr=1e-3,
+        v1_steps=300,
+        v2_steps=300,
+        num_prompts=70,
+        max_topic_chars=1200,
+        threads=2,
+        family="kimi",
+    ),
+    # Kimi-shaped, for the demo: all 79 topics.
+    "kimi-demo": WorldSpec(
+        vocab_size=2048,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=512,
+        seq_len=128,
+        batch_size=8,
+        lr=1e-3,
+        v1_steps=300,
+        v2_steps=450,
+        num_prompts=500,
+        threads=2,
+        family="kimi",
     ),
 }
 
@@ -168,7 +233,7 @@ def _build(world: World, log: Callable[[str], None]) -> dict:
 
     from eagle3_assets.localdev import targets
     from eagle3_assets.localdev.prompts import write_prompt_pool
-    from eagle3_assets.localdev.tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from eagle3_assets.localdev.tokenizer import train_tokenizer
 
     spec = world.spec
     keys = spec.topic_keys()
@@ -182,14 +247,18 @@ def _build(world: World, log: Callable[[str], None]) -> dict:
         clock = time.perf_counter()
 
     with _isolated_torch(spec.threads):
-        log(f"tokenizer: byte-level BPE, vocab {spec.vocab_size}")
-        train_tokenizer(list(topics().values()), spec.vocab_size, world.tokenizer)
-        tokenizer = AutoTokenizer.from_pretrained(world.tokenizer)
+        log(f"tokenizer: byte-level BPE, vocab {spec.vocab_size}, {spec.family} chat format")
+        train_tokenizer(list(topics().values()), spec.vocab_size, world.tokenizer, spec.chat)
+        tokenizer = AutoTokenizer.from_pretrained(
+            world.tokenizer, trust_remote_code=spec.trust_remote_code
+        )
         lap("tokenizer")
 
-        sequences = targets.training_sequences(tokenizer, spec.seq_len, keys)
+        sequences = targets.training_sequences(
+            tokenizer, spec.seq_len, keys, spec.chat_template_kwargs
+        )
         first_half, second_half = targets.split_slices(sequences, spec.seed)
-        config = targets.target_config(
+        config = targets.TARGET_CONFIGS[spec.family](
             tokenizer, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
         )
         model = targets.new_target(config, spec.seed)
@@ -208,6 +277,7 @@ def _build(world: World, log: Callable[[str], None]) -> dict:
         )
         lap("prompts")
 
+    specials = list(spec.chat.special_tokens)
     return {
         "hash": spec.digest(),
         "build_version": BUILD_VERSION,
@@ -216,7 +286,7 @@ def _build(world: World, log: Callable[[str], None]) -> dict:
         "final_loss": losses,
         "parameters_per_target": sum(p.numel() for p in model.parameters()),
         "special_token_ids": dict(
-            zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS), strict=True)
+            zip(specials, tokenizer.convert_tokens_to_ids(specials), strict=True)
         ),
         "prompts": {"pool": pool, "heldout": heldout},
         "topics": len(keys),

@@ -55,7 +55,7 @@ def test_api_key_and_hf_token_never_stored_or_shown(
         env = {
             **os.environ,
             **miniature_env(
-                test_world.root, test_hub, stub.base_url, tmp_path / "data", SERVED_TARGET_NAME
+                test_world, test_hub, stub.base_url, tmp_path / "data", SERVED_TARGET_NAME
             ),
             API_KEY_ENV: API_KEY,
             HF_TOKEN_ENV: HF_TOKEN,

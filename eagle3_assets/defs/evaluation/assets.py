@@ -73,6 +73,8 @@ def drafter_evaluation(
         target.shape(),
     )
     prompt_sets = evaluation.conversations()
+    # the target's chat template: each evaluation server must render the prompts as it does
+    tokenizer = target.tokenizer()
     context.log.info("prompt sets: " + ", ".join(f"{n} ({len(c)})" for n, c in prompt_sets.items()))
     measurements = evaluate(
         evaluation.launch_spec(target, storage.path("evaluation", "vllm"), vllm.served_model_name),
@@ -84,6 +86,7 @@ def drafter_evaluation(
         prompt_sets,
         evaluation.settings(generation.config().chat_template_kwargs),
         storage.path("evaluation", "measurements"),
+        tokenizer,
         api_key=vllm.api_key,
         log=context.log.info,
     )
@@ -113,7 +116,12 @@ def drafter_evaluation(
             "heldout_prompts": after.prompts,
             "training_time_accuracy": dg.MetadataValue.md(offline),
             "export": dg.MetadataValue.path(str(finetuned)),
-            "serve_with": serve_line(target.path, finetuned, evaluation.num_speculative_tokens),
+            "serve_with": serve_line(
+                target.path,
+                finetuned,
+                evaluation.num_speculative_tokens,
+                target.trust_remote_code,
+            ),
         },
         check_results=[
             dg.AssetCheckResult(

@@ -61,13 +61,15 @@ def hidden_states(
     drafter's layers and the final state where the drafter is trained, in compact shards. A
     re-run keeps every finished shard; a batch that cannot fit fails before any forward."""
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
     from eagle3_assets.lib.generation.store import FINAL_NAME
     from eagle3_assets.lib.hidden_states.backends import drafter_layers, open_backend
     from eagle3_assets.lib.hidden_states.extract import extract_batch, human_bytes, verify_batch
     from eagle3_assets.lib.hidden_states.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
-    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+    from eagle3_assets.lib.hidden_states.token_sequences import (
+        TemplateMismatchError,
+        build_sequences,
+    )
 
     key = context.partition_key
     settings = hidden.settings()  # a bad setting fails here, before any reading
@@ -76,16 +78,18 @@ def hidden_states(
         raise dg.Failure(f"{key}: no {generations}; materialize synthetic_generations[{key}] first")
     _refuse_failed_generations(context.instance, key)
     rows = pq.read_table(generations).to_pylist()
-    tokenizer = AutoTokenizer.from_pretrained(
-        target.path, trust_remote_code=target.trust_remote_code
-    )
+    tokenizer = target.tokenizer()
     template_kwargs = generation.config().chat_template_kwargs or {}
-    sequences, mismatches = build_sequences(rows, tokenizer, template_kwargs, hidden.max_length)
-    if mismatches:
-        context.log.warning(
-            f"{len(mismatches)} of {len(rows)} prompts render differently here than in vLLM "
-            f"(stored as vLLM saw them; check EAGLE3_CHAT_TEMPLATE_KWARGS): {mismatches[0]}"
-        )
+    try:
+        sequences = build_sequences(rows, tokenizer, template_kwargs, hidden.max_length)
+    except TemplateMismatchError as mismatch:
+        raise dg.Failure(
+            f"{key}: {mismatch}\nFix: EAGLE3_CHAT_TEMPLATE_KWARGS must be the kwargs this "
+            f"batch was generated with (re-materialize synthetic_generations[{key}] after "
+            f"changing them), and EAGLE3_TARGET_PATH ({target.path}) must hold the tokenizer "
+            "and chat template the generation's vLLM served (no --chat-template override).",
+            metadata={"mismatched_prompts": len(mismatch.mismatches), "prompts": mismatch.total},
+        ) from None
     shape = target.shape()
     try:
         layers = drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
@@ -145,7 +149,6 @@ def hidden_states(
             "seconds": round(summary.seconds, 1),
             "aux_layer_ids_vllm": dg.MetadataValue.json(list(layers.aux)),
             "final_layer_id_vllm": layers.final,
-            "template_mismatches": len(mismatches),
         },
         check_results=_checks(verification, hidden),
     )

@@ -2,9 +2,11 @@
 
 vLLM: id i is the residual stream entering decoder layer i, i.e. HF `output_hidden_states[i]`
 (0 is the embeddings). SGLang/SpecForge: id j is the output of decoder layer j, which vLLM calls
-j + 1, so Kimi's SpecForge ids [1, 29, 57] are [2, 30, 58] in vLLM. vLLM reads only a top-level
-`eagle_aux_hidden_state_layer_ids`; a list nested in `eagle_config` (SpecForge v0.2 writes ids
-there, in SGLang convention) is silently ignored, so every reader must say which it speaks.
+j + 1, so Kimi's SpecForge ids [1, 29, 57] are [2, 30, 58] in vLLM. SpecForge v0.2 writes its
+ids nested in `eagle_config`, in SGLang convention; vLLM 0.32 reads a top-level
+`eagle_aux_hidden_state_layer_ids` first and else takes the nested list AS vLLM ids, with no
+conversion (gpu_model_runner.py, `_get_eagle3_aux_layers_from_config`). So a nested list means
+one layer lower to vLLM than to its writer, and every reader must say which convention it speaks.
 """
 
 from collections.abc import Sequence
@@ -70,9 +72,22 @@ class AuxLayerIds:
 
     @property
     def fc_order(self) -> tuple[int, ...]:
-        """The ids in the order vLLM feeds the drafter's fc: sorted and unique (it sorts them,
-        interfaces.py), whatever order a config lists. Extraction and training use this."""
-        return tuple(sorted(set(self.vllm)))
+        return fc_order(self.vllm)
+
+
+def fc_order(ids: Sequence[int]) -> tuple[int, ...]:
+    """The ids in the order vLLM feeds the drafter's fc: sorted and unique (it sorts them,
+    interfaces.py), whatever order a config lists. Extraction and training use this."""
+    return tuple(sorted(set(ids)))
+
+
+class Reading(StrEnum):
+    """The two conventions a nested list may have been written in. SpecForge writes SGLang
+    ids there, but a list equal to vLLM's default (AQ-MedAI's [2, 30, 58] for 61 layers) may
+    as well be vLLM ids: the file cannot say which the drafter was trained on."""
+
+    SGLANG = "sglang"  # layer outputs: vLLM id = nested id + 1
+    VLLM = "vllm"  # layer inputs: vLLM id = nested id
 
 
 def _ids(value: object, where: str) -> tuple[int, ...]:
@@ -105,3 +120,18 @@ def aux_layer_ids(drafter_config: dict, target_num_layers: int) -> AuxLayerIds:
             sglang_to_vllm(_ids(nested, f"eagle_config.{KEY}")), LayerIdSource.NESTED
         )
     return AuxLayerIds(default_aux_layers(target_num_layers), LayerIdSource.DEFAULT)
+
+
+def nested_readings(ids: AuxLayerIds, num_layers: int) -> dict[Reading, tuple[int, ...]] | None:
+    """Both readings (vLLM ids) of ids that came from the nested list alone, when both are
+    valid for the target and name different layers: then only a measurement can choose.
+    None when the ids are not ambiguous (top-level or default ids, or one reading invalid)."""
+    if ids.source is not LayerIdSource.NESTED:
+        return None
+    readings = {Reading.SGLANG: ids.vllm, Reading.VLLM: ids.sglang}
+    for reading, vllm_ids in readings.items():
+        try:
+            check_layer_ids(vllm_ids, num_layers, f"{reading} reading")
+        except ValueError:
+            return None
+    return readings if readings[Reading.SGLANG] != readings[Reading.VLLM] else None

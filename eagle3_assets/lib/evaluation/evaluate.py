@@ -4,8 +4,10 @@ plain server (no drafter) as the throughput baseline. Numbers come from /metrics
 (lib/evaluation/acceptance.py).
 
 Prompts are rendered as the drafter's training data was: every request carries the
-generation's `chat_template_kwargs` (Kimi: `{"thinking": false}`); another rendering is another
-distribution.
+generation's `chat_template_kwargs` (Kimi: `{"thinking": false}`), and before measuring, each
+server's rendering of every prompt is checked against the local chat template with those
+kwargs, the check extraction makes against the generation server (lib/evaluation/rendering.py);
+another rendering is another distribution.
 
 A measurement is saved as soon as it is taken, keyed by what decides it (the drafter's bytes,
 the server command, the prompts, the settings, the template kwargs among them): a crashed
@@ -28,6 +30,7 @@ from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 from eagle3_assets.lib.core.layer_ids import KEY
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
+from eagle3_assets.lib.evaluation.rendering import check_served_rendering
 from eagle3_assets.lib.evaluation.settings import EvaluationSettings
 from eagle3_assets.lib.serving.vllm_launcher import (
     VLLMLaunchSpec,
@@ -78,10 +81,12 @@ def evaluate(
     prompt_sets: dict[str, list[list[dict]]],
     settings: EvaluationSettings,
     results_dir: Path,
+    tokenizer: Any,
     api_key: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Measurement]:
-    """Every contender on every prompt set; a server starts only for what is not saved yet."""
+    """Every contender on every prompt set; a server starts only for what is not saved yet.
+    `tokenizer` is the target's, whose chat template the training data was rendered with."""
     results_dir.mkdir(parents=True, exist_ok=True)
     measurements = []
     for contender in contenders:
@@ -93,8 +98,9 @@ def evaluate(
         }
         todo = [name for name, path in files.items() if not path.exists()]
         if todo:
+            todo_sets = {n: prompt_sets[n] for n in todo}
             _measure_on_new_server(
-                served, contender, {n: prompt_sets[n] for n in todo}, settings, files, api_key, log
+                served, contender, todo_sets, settings, files, tokenizer, api_key, log
             )
         else:
             log(f"{contender.name}: every prompt set measured before, reusing {results_dir}")
@@ -119,6 +125,7 @@ def _measure_on_new_server(
     prompt_sets: dict[str, list[list[dict]]],
     settings: EvaluationSettings,
     files: dict[str, Path],
+    tokenizer: Any,
     api_key: str | None,
     log: Callable[[str], None],
 ) -> None:
@@ -129,6 +136,7 @@ def _measure_on_new_server(
         model = spec.served_model_name or spec.model
         first = next(iter(prompt_sets.values()))[0]
         kwargs = settings.chat_template_kwargs
+        check_served_rendering(spec.base_url, model, prompt_sets, tokenizer, kwargs, api_key)
         smoke_chat(spec.base_url, model, first, 8, 600.0, api_key, kwargs)  # warm-up, not counted
         layers = served_aux_layers(spec.log_file, contender.drafter) if contender.drafter else None
         log(f"{contender.name}: ready in {loaded:.0f}s, vLLM feeds the drafter layers {layers}")

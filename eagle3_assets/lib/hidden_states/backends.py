@@ -13,6 +13,7 @@ from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 
 if TYPE_CHECKING:
     from eagle3_assets.lib.hidden_states.extract import StateSource
+    from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 
 
 def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
@@ -26,6 +27,28 @@ def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
         )
     ids = drafter_aux_layer_ids(drafter_dir, num_layers)
     return LayerSelection(aux=ids.fc_order, final=num_layers, source=str(ids.source))
+
+
+def extraction_spec(
+    settings: HiddenStatesSettings, target: str, trust_remote_code: bool, server_dir: Path
+) -> VLLMLaunchSpec:
+    """The vllm backend's server: the target at the extraction's dtype and length, its code
+    trusted exactly when the user trusts it."""
+    from eagle3_assets.lib.hidden_states.hf_backend import resolve_device
+    from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
+
+    return VLLMLaunchSpec(
+        model=target,
+        python=Path(settings.serving_python),
+        run_dir=server_dir,
+        port=settings.vllm_port,
+        tensor_parallel_size=settings.vllm_tensor_parallel_size,
+        max_model_len=settings.max_length + 1,
+        dtype=settings.dtype,
+        trust_remote_code=trust_remote_code,
+        cpu_kvcache_gib=1 if resolve_device(settings.device) == "cpu" else None,
+        extra_args=tuple(settings.vllm_args),
+    )
 
 
 def open_backend(
@@ -46,21 +69,9 @@ def open_backend(
     if settings.backend == "hf":
         return HFTarget(Path(target), layer_ids, settings.dtype, settings.device, trust_remote_code)
     from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
-    from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 
+    serving = extraction_spec(settings, target, trust_remote_code, server_dir)
     cpu = resolve_device(settings.device) == "cpu"
-    serving = VLLMLaunchSpec(
-        model=target,
-        python=Path(settings.serving_python),
-        run_dir=server_dir,
-        port=settings.vllm_port,
-        tensor_parallel_size=settings.vllm_tensor_parallel_size,
-        max_model_len=settings.max_length + 1,
-        dtype=settings.dtype,
-        trust_remote_code=trust_remote_code,
-        cpu_kvcache_gib=1 if cpu else None,
-        extra_args=tuple(settings.vllm_args),
-    )
     return extraction_server(
         serving, layer_ids, hidden_size, cpu, settings.vllm_load_timeout_s, log=log
     )

@@ -89,10 +89,16 @@ def with_eagle3_drafter(
     return dataclasses.replace(spec, speculative_config=speculative)
 
 
-def serve_line(model: str, drafter_dir: Path, num_speculative_tokens: int) -> str:
-    """The `vllm serve` line a user runs to serve `model` with the drafter, as measured."""
+def serve_line(
+    model: str, drafter_dir: Path, num_speculative_tokens: int, trust_remote_code: bool = False
+) -> str:
+    """The `vllm serve` line a user runs to serve `model` with the drafter, as measured
+    (with --trust-remote-code when the target's code was trusted for the measurement)."""
     speculative = json.dumps(eagle3_speculative_config(drafter_dir, num_speculative_tokens))
-    return shlex.join(["vllm", "serve", model, "--speculative-config", speculative])
+    line = ["vllm", "serve", model, "--speculative-config", speculative]
+    if trust_remote_code:
+        line.append("--trust-remote-code")
+    return shlex.join(line)
 
 
 def build_command(spec: VLLMLaunchSpec) -> list[str]:

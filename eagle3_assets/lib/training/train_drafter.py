@@ -24,7 +24,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
     write_vllm_drafter,
 )
 from eagle3_assets.lib.core.atomic_files import write_atomically
+from eagle3_assets.lib.core.layer_ids import fc_order
 from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
@@ -144,16 +145,15 @@ def load_drafter(
     reader: ShardReader,
     target: TargetShape,
     rederive_vocab: bool = False,
+    aux_layer_ids: Sequence[int] | None = None,
 ) -> tuple[Eagle3Drafter, tuple[int, ...]]:
-    """A saved drafter (SpecForge, speculators or our export) that fits the target and reads
-    the layers the shards hold."""
+    """A saved drafter (SpecForge, speculators or our export) that fits the target, and the
+    aux layers it reads: its config's, or `aux_layer_ids` (vLLM ids) when given, as the layer
+    probe reads one drafter both ways. `aux_columns` says where the shards hold them."""
     checkpoint = read_drafter(path, target)  # validated for the target, as at download
-    aux_ids = checkpoint.aux_layer_ids.fc_order
-    if list(aux_ids) != reader.layer_ids["aux"]:
-        raise LayerMismatch(
-            f"hidden states hold aux layers {reader.layer_ids['aux']} (vLLM ids), the drafter "
-            f"at {path} reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
-        )
+    aux_ids = (
+        checkpoint.aux_layer_ids.fc_order if aux_layer_ids is None else fc_order(aux_layer_ids)
+    )
     tensors = dict(checkpoint.tensors)
     if rederive_vocab:  # every rank counts every shard: the same maps everywhere
         counts = reader.response_token_counts(checkpoint.config.vocab_size)
@@ -163,6 +163,21 @@ def load_drafter(
     model = Eagle3Drafter(checkpoint.config, head.embed)
     model.load_state_dict(tensors)
     return model, aux_ids
+
+
+def aux_columns(reader: ShardReader, aux_ids: Sequence[int], drafter: object) -> list[int] | None:
+    """Where the shards hold the drafter's aux layers (None: all of them, in order). Shards
+    may hold more layers than a drafter reads (the layer probe extracts both readings of a
+    config at once); a layer they lack is a LayerMismatch."""
+    held = list(reader.layer_ids["aux"])
+    if list(aux_ids) == held:
+        return None
+    if not set(aux_ids) <= set(held):
+        raise LayerMismatch(
+            f"hidden states hold aux layers {held} (vLLM ids), the drafter at {drafter} "
+            f"reads {list(aux_ids)}: re-extract the batches at the drafter's layers"
+        )
+    return [held.index(i) for i in aux_ids]
 
 
 def _device() -> torch.device:
@@ -250,6 +265,7 @@ def train(
         select=lambda sample_id: not held_out(sample_id, config.holdout_fraction),
     )
     model, aux_ids = _drafter(config, head, reader)
+    columns = aux_columns(reader, aux_ids, config.warm_start or "scratch")
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
     if len(reader) < config.batch_size:
         raise ValueError(
@@ -272,7 +288,7 @@ def train(
     try:
         while progress.step < config.steps:
             batch_samples = [next(samples) for _ in range(config.batch_size)]
-            batch = make_batch(batch_samples, head, model.t2d, config.ttt_length)
+            batch = make_batch(batch_samples, head, model.t2d, config.ttt_length, columns)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
                 loss, losses, hits, counts = objective(batch)
             optimizer.zero_grad(set_to_none=True)
@@ -339,10 +355,12 @@ def heldout_accuracy(
     holdout_fraction: float,
     ttt_length: int,
     batch_size: int = 8,
+    aux_layer_ids: Sequence[int] | None = None,
 ) -> dict:
     """Per-position TTT accuracy of a saved drafter on the held-out samples of the shards:
     the training-time view of a drafter (teacher-forced on the target's own states), not
-    acceptance in a serving engine. {"samples", "tokens", "accuracy": [...]} (None: no
+    acceptance in a serving engine. `aux_layer_ids` (vLLM ids) reads the drafter at those
+    layers instead of its config's. {"samples", "tokens", "accuracy": [...]} (None: no
     held-out sample)."""
     device = _device()
     head = TargetHead(target).to(device)
@@ -351,12 +369,15 @@ def heldout_accuracy(
         shuffle_buffer=1,
         select=lambda sample_id: held_out(sample_id, holdout_fraction),
     )
-    model, _ = load_drafter(drafter, head, reader, TargetShape.from_config(target))
+    model, aux_ids = load_drafter(
+        drafter, head, reader, TargetShape.from_config(target), aux_layer_ids=aux_layer_ids
+    )
+    columns = aux_columns(reader, aux_ids, drafter)
     model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
     while chunk := list(itertools.islice(samples, batch_size)):
-        batch = make_batch(chunk, head, model.t2d, ttt_length)
+        batch = make_batch(chunk, head, model.t2d, ttt_length, columns)
         _, _, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
         hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
         counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]

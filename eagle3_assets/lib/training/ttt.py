@@ -121,13 +121,19 @@ class Batch:
 
 
 def make_batch(
-    samples: Sequence[HiddenSample], head: TargetHead, t2d: torch.Tensor, steps: int
+    samples: Sequence[HiddenSample],
+    head: TargetHead,
+    t2d: torch.Tensor,
+    steps: int,
+    aux_columns: Sequence[int] | None = None,
 ) -> Batch:
-    """On t2d's device (the drafter's)."""
+    """On t2d's device (the drafter's). `aux_columns`: which of the samples' aux layers the
+    drafter reads, in its fc order (None: all of them)."""
     device = t2d.device
     S = max(len(s.input_ids) for s in samples) - 1
     B, vd = len(samples), int(t2d.sum())
-    width = samples[0].aux.shape[1] * samples[0].aux.shape[2]
+    columns = list(range(samples[0].aux.shape[1])) if aux_columns is None else list(aux_columns)
+    width = len(columns) * samples[0].aux.shape[2]
     batch = Batch(
         aux=torch.zeros(B, S, width, device=device),
         input_ids=torch.zeros(B, S + steps - 1, dtype=torch.long, device=device),
@@ -137,7 +143,8 @@ def make_batch(
     )
     for row, sample in enumerate(samples):
         T = len(sample.input_ids)
-        batch.aux[row, : T - 1] = sample.aux[: T - 1].reshape(T - 1, width).to(device).float()
+        aux = sample.aux[: T - 1] if aux_columns is None else sample.aux[: T - 1, columns]
+        batch.aux[row, : T - 1] = aux.reshape(T - 1, width).to(device).float()
         batch.input_ids[row, : T - 1] = sample.input_ids[1:].to(device)
         batch.key_mask[row, : T - 1] = True
         # teacher position p (loss_mask[p + 1]) serves draft index p - 1 - k at step k

@@ -29,10 +29,18 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+# The world drafter's nested [2, 4, 5] reads two ways; it was trained on the SGLang reading.
+# These tests reach no server, so they say so, as a user would (the probe has its own test).
+TRAINED_ON = [3, 5, 6]
+
+
 def resources(test_hub, tmp_path, target_dir, revision="main"):
-    return {
+    return resources_from_env({}) | {
         "drafter_hub": DrafterHub(
-            repo_id=LOCAL_DRAFTER_REPO, revision=revision, cache_dir=str(test_hub)
+            repo_id=LOCAL_DRAFTER_REPO,
+            revision=revision,
+            cache_dir=str(test_hub),
+            aux_layer_ids=TRAINED_ON,
         ),
         "target": TargetModel(path=str(target_dir)),
         "storage": Storage(root=str(tmp_path)),
@@ -50,9 +58,13 @@ def test_downloads_and_validates(test_world, test_hub, tmp_path, offline):
     assert meta["repo_id"] == LOCAL_DRAFTER_REPO and len(meta["revision"]) == 40
     assert meta["hidden_size"] == 64 and meta["vocab_size"] == 1024
     assert meta["draft_vocab_size"] == 256
-    assert meta["aux_layer_ids_vllm"] == [2, 4, 5]  # nested SGLang [1, 3, 4], converted
-    assert meta["aux_layer_ids_sglang"] == [1, 3, 4]
+    assert meta["aux_layer_ids_vllm"] == TRAINED_ON  # pinned top-level, vLLM convention
+    assert meta["aux_layer_ids_sglang"] == [2, 4, 5]
+    assert meta["aux_layer_ids_decided_by"] == "EAGLE3_AUX_LAYER_IDS"
+    assert meta["aux_layer_ids_published_nested"] == [2, 4, 5]
     warm_start = tmp_path / "drafter" / "warm_start"
+    config = json.loads((warm_start / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == TRAINED_ON
     downloaded = sorted(p.name for p in warm_start.iterdir())
     assert downloaded == ["config.json", "model.safetensors"]  # never training_state.pt
     assert meta["bytes"] == sum(p.stat().st_size for p in warm_start.iterdir())
@@ -82,8 +94,9 @@ def test_a_speculators_drafter_downloads_and_validates(test_world, tmp_path, off
     (event,) = result.get_asset_materialization_events()
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
     assert meta["layout"] == "speculators"
-    assert meta["aux_layer_ids_vllm"] == [2, 4, 5]  # top-level, vLLM convention
+    assert meta["aux_layer_ids_vllm"] == [2, 4, 5]  # top-level, vLLM convention: no probe
     assert meta["aux_layer_ids_sglang"] == [1, 3, 4]
+    assert "aux_layer_ids_decided_by" not in meta
     assert (meta["hidden_size"], meta["vocab_size"], meta["draft_vocab_size"]) == (64, 1024, 256)
     rows = {r.data["tensor"]: r.data for r in meta["tensors"].records}
     assert rows["layers.0.self_attn.q_proj.weight"] == {

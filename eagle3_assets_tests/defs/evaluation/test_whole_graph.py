@@ -79,7 +79,7 @@ def story(test_world, test_hub, vllm_target, serving_python, tmp_path_factory):
     pool = test_world.prompts.read_text().splitlines()
     extra.write_text("\n".join(pool[len(pool) // BATCH_SIZE * BATCH_SIZE :]) + "\n")
     env = miniature_env(
-        test_world.root, test_hub, vllm_target.base_url, root / "data", SERVED_TARGET_NAME
+        test_world, test_hub, vllm_target.base_url, root / "data", SERVED_TARGET_NAME
     )
     env |= SMALL_DRAFTER | {
         "EAGLE3_BATCH_SIZE": str(BATCH_SIZE),
@@ -191,14 +191,14 @@ def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story, te
     )
     (check,) = evaluated["runs"]["drafter_evaluation"].get_asset_check_evaluations()
     assert check.check_name == "beats_warm_start" and check.passed
-    assert check.metadata["served_aux_layers"].value == [2, 4, 5]
+    assert check.metadata["served_aux_layers"].value == [3, 5, 6]
 
 
 def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, test_world):
     definitions, instance = story
     export = Path(metadata(instance, "eagle3_drafter")["export"])
     good = read_drafter(export, TargetShape.from_config(test_world.target_v2))
-    assert good.aux_layer_ids.vllm == (2, 4, 5)
+    assert good.aux_layer_ids.vllm == (3, 5, 6)
     tensors = load_file(export / "model.safetensors")
     write_vllm_drafter(export, good.config, tensors, (1, 3, 6))  # same weights, wrong layers
 
@@ -209,7 +209,7 @@ def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, te
     # target the residual streams of nearby layers are alike, so acceptance hardly drops; on
     # a big one it collapses. The check does not wait for that to show.)
     assert evaluation.metadata["served_aux_layers"].value == [1, 3, 6]
-    assert evaluation.metadata["trained_aux_layers"].value == [2, 4, 5]
+    assert evaluation.metadata["trained_aux_layers"].value == [3, 5, 6]
     assert "fix eagle_aux_hidden_state_layer_ids" in evaluation.description
     assert not run.success, "a failed blocking check fails the run"
     logs = [r.user_message for r in instance.all_logs(run.run_id)]

@@ -12,7 +12,9 @@ from eagle3_assets.definitions import resources_from_env
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.generation.assets import synthetic_generations
 from eagle3_assets.defs.hidden_states.assets import hidden_states
+from eagle3_assets.lib.core.layer_ids import LayerIdSource
 from eagle3_assets.lib.hidden_states.shard_format import ShardFile
+from eagle3_assets_tests.templates import KWARGS, thinking_target
 
 pytestmark = pytest.mark.vllm
 BATCH = "batch-00000"
@@ -25,7 +27,7 @@ def metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:
     return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
-def test_batch_hidden_states_from_its_generations(pipeline_env, tmp_path, monkeypatch):
+def test_batch_hidden_states_from_its_generations(test_world, pipeline_env, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     env = {**pipeline_env, "EAGLE3_HIDDEN_FORMAT": "fp8+fp8", "EAGLE3_MAX_LENGTH": "96"}
     resources = resources_from_env(env)
@@ -67,8 +69,8 @@ def test_batch_hidden_states_from_its_generations(pipeline_env, tmp_path, monkey
             strict=True,
         )
     )
-    assert meta["aux_layer_ids_vllm"] == [2, 4, 5] and meta["final_layer_id_vllm"] == 8
-    assert meta["format"] == "fp8+fp8" and meta["template_mismatches"] == 0
+    assert meta["aux_layer_ids_vllm"] == [3, 5, 6] and meta["final_layer_id_vllm"] == 8
+    assert meta["format"] == "fp8+fp8"
     assert meta["reused_shards"] == 0 and meta["extracted_tokens"] == meta["tokens"]
     # Kimi at this batch's response share: fp8 aux (21,516 B) + fp8 final at teacher positions
     assert 21_516 < meta["kimi_k2_5_bytes_per_token"] < 21_516 + 7_172 + 5
@@ -81,7 +83,8 @@ def test_batch_hidden_states_from_its_generations(pipeline_env, tmp_path, monkey
 
     batch_dir = Path(meta["path"])
     manifest = json.loads((batch_dir / "manifest.json").read_text())
-    assert manifest["layer_ids"]["aux"] == [2, 4, 5] and "SGLang" in manifest["layer_ids"]["source"]
+    assert manifest["layer_ids"]["aux"] == [3, 5, 6]
+    assert manifest["layer_ids"]["source"] == str(LayerIdSource.TOP_LEVEL)  # pinned at download
     assert sum(p.stat().st_size for p in batch_dir.glob("shard-*")) == meta["bytes"]
     shard = ShardFile(batch_dir / next(iter(manifest["shards"])))
     assert shard.sample(0).aux.shape[1:] == (3, 64)
@@ -89,3 +92,31 @@ def test_batch_hidden_states_from_its_generations(pipeline_env, tmp_path, monkey
     second = run(hidden_states)  # the shards are complete: nothing is recomputed
     again = metadata(second, "hidden_states")
     assert again["reused_shards"] == again["shards"] and again["extracted_tokens"] == 0
+
+    # The same batch with a local template that renders its prompts otherwise (instant mode,
+    # as Kimi's): refused before any forward, naming both renderings and what to fix.
+    thinking = thinking_target(test_world.target_v2, tmp_path / "thinking-target")
+    drifted = {
+        "EAGLE3_TARGET_PATH": str(thinking),
+        "EAGLE3_CHAT_TEMPLATE_KWARGS": json.dumps(KWARGS),
+    }
+    failed = dg.materialize(
+        [hidden_states],
+        partition_key=BATCH,
+        resources=resources_from_env({**env, **drifted}),
+        instance=instance,
+        raise_on_error=False,
+    )
+    (failure,) = [e for e in failed.all_events if e.is_step_failure]
+    message = failure.step_failure_data.error.message
+    assert (
+        f"{BATCH}: 16 of 16 prompts render differently with the local chat template and "
+        'chat_template_kwargs {"thinking": false} than vLLM rendered them; first, '
+    ) in message
+    assert "  vLLM rendered:               ''\n" in message
+    assert "  the local template rendered: '<think></think>'\n" in message
+    assert (
+        "Fix: EAGLE3_CHAT_TEMPLATE_KWARGS must be the kwargs this batch was generated with"
+        in message
+    )
+    assert failure.step_failure_data.user_failure_data.metadata["mismatched_prompts"].value == 16

@@ -84,7 +84,7 @@ def test_sensor_follows_a_real_vllm_server(
         # The same server through Dagster's real daemon: the observation lands in the event
         # log, and the launch run downloads the drafter and generates the first batch at once.
         env = miniature_env(
-            test_world.root, test_hub, spec.base_url, tmp_path / "data", SERVED_TARGET_NAME
+            test_world, test_hub, spec.base_url, tmp_path / "data", SERVED_TARGET_NAME
         )
         since = time.time()
         with (

@@ -56,7 +56,7 @@ def test_finetunes_on_every_extracted_batch(pipeline_env, monkeypatch):
     assert meta["curves"].count("data:image/svg+xml;base64,") == 2  # loss, accuracy charts
     export = Path(meta["export"])
     config = json.loads((export / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3, 5, 6]
     warm = load_file(Path(env["EAGLE3_DATA_ROOT"], "drafter", "warm_start", "model.safetensors"))
     exported = load_file(export / "model.safetensors")
     assert exported["d2t"].equal(warm["d2t"]) and exported["t2d"].equal(warm["t2d"])

@@ -42,7 +42,7 @@ def extract(world, data_root: Path) -> None:
     layers_total = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     layers = LayerSelection(default_aux_layers(layers_total), layers_total, "default")
     rows = greedy_generation_rows(target, world.prompts, 24, 24)
-    sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(target))
+    sequences = build_sequences(rows, AutoTokenizer.from_pretrained(target))
     hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
     extract_batch(
         sequences,

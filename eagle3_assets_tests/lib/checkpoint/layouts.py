@@ -1,14 +1,26 @@
-"""Drafters in the speculators layout, laid out as speculators 0.9.0's own `save_pretrained`
-writes them (Eagle3DraftModel, checked against the package: config fields, their values and
-the tensor names), built from a SpecForge-layout drafter's weights."""
+"""Checkpoint layouts for tests. Drafters in the speculators layout, laid out as speculators
+0.9.0's own `save_pretrained` writes them (Eagle3DraftModel, checked against the package:
+config fields, their values and the tensor names), built from a SpecForge-layout drafter's
+weights. And safetensors files of published models' real shapes that cost no disk: the
+header written by hand, the weights left as a hole in a sparse file."""
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.lib.core.layer_ids import KEY
+
+# torch dtype -> the safetensors header's name for it
+SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+}
 
 # transformer_layer_config fields speculators copies from the SpecForge config
 LAYER_FIELDS = (
@@ -94,3 +106,37 @@ def speculators_dir(
         renamed["verifier_lm_head.weight"] = torch.zeros(target_matrix)
     save_file(renamed, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
+
+
+def sparse_safetensors(
+    path: Path,
+    zeros: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    values: dict[str, torch.Tensor],
+) -> Path:
+    """A valid safetensors file holding `zeros` (name -> shape, dtype) as zeros and `values`
+    as given, in that order. The zeros are never written: the file is truncated to its full
+    size, so a published model's GBs of weights take no disk and no time, and a reader of the
+    header (or of `values`) sees exactly what the real file would show."""
+    layout: dict[str, dict] = {}
+    offset = 0
+    for name, (shape, dtype) in [
+        *zeros.items(),
+        *((name, (tuple(t.shape), t.dtype)) for name, t in values.items()),
+    ]:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        layout[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header = json.dumps({"__metadata__": {"format": "pt"}, **layout}).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    start = 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for name, tensor in values.items():
+            f.seek(start + layout[name]["data_offsets"][0])
+            f.write(tensor.contiguous().numpy().tobytes())  # little-endian, as on x86/ARM
+        f.truncate(start + offset)
+    return path

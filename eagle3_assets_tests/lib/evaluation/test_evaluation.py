@@ -23,7 +23,7 @@ from eagle3_assets.lib.evaluation.evaluate import (
     verdict,
 )
 from eagle3_assets.lib.evaluation.settings import EvaluationSettings
-from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, serve_line
+from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, build_command, serve_line
 
 LAYERS = (2, 4, 5)
 
@@ -130,15 +130,27 @@ def test_prompt_sets_come_by_name_and_a_bad_item_is_named():
         resources_from_env({"EAGLE3_EVAL_PROMPT_SETS": "mt-bench=/p/mt.jsonl,humaneval"})
 
 
-def test_the_serve_line_serves_the_drafter_as_it_was_measured(tmp_path: Path):
-    spec = VLLMLaunchSpec(model="/m/target", python=Path("/v/bin/python"), run_dir=tmp_path)
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_the_serve_line_serves_the_drafter_as_it_was_measured(tmp_path: Path, trust_remote_code):
+    """The same drafter config as the measured server, and the target's code trusted exactly
+    when the measurement trusted it (Kimi's tokenizer is remote code: without the flag the
+    printed line would not start)."""
+    spec = VLLMLaunchSpec(
+        model="/m/target",
+        python=Path("/v/bin/python"),
+        run_dir=tmp_path,
+        trust_remote_code=trust_remote_code,
+    )
     settings = EvaluationSettings(num_speculative_tokens=5)
     served = serving_spec(spec, Contender("finetuned", Path("/d/export")), settings)
-    line = serve_line("/m/target", Path("/d/export"), settings.num_speculative_tokens)
-    command, _, config = line.partition(" --speculative-config ")
+    line = serve_line(
+        "/m/target", Path("/d/export"), settings.num_speculative_tokens, trust_remote_code
+    )
+    command, _, rest = line.partition(" --speculative-config ")
+    config, *flags = shlex.split(rest)
     assert command == "vllm serve /m/target"
     assert (
-        json.loads(shlex.split(config)[0])
+        json.loads(config)
         == served.speculative_config
         == {
             "method": "eagle3",
@@ -146,3 +158,5 @@ def test_the_serve_line_serves_the_drafter_as_it_was_measured(tmp_path: Path):
             "num_speculative_tokens": 5,
         }
     )
+    assert flags == (["--trust-remote-code"] if trust_remote_code else [])
+    assert ("--trust-remote-code" in build_command(served)) == trust_remote_code

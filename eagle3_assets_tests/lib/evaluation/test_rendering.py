@@ -1,11 +1,10 @@
 """The evaluation measures the drafter on the rendering it was trained for: a real vLLM server
 whose chat template depends on a kwarg (as Kimi's `thinking`) counts, for the evaluation's
 requests, exactly the prompt tokens the training side renders with the generation's kwargs;
-and a measurement taken under one rendering is never reused for another."""
+a server that renders otherwise is an error naming both renderings; and a measurement taken
+under one rendering is never reused for another."""
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -15,45 +14,24 @@ from eagle3_assets.lib.evaluation.evaluate import (
     Contender,
     evaluate,
 )
+from eagle3_assets.lib.evaluation.rendering import check_served_rendering
 from eagle3_assets.lib.evaluation.settings import EvaluationSettings
 from eagle3_assets.lib.generation.conversations import load_conversations
-from eagle3_assets.lib.hidden_states.token_sequences import render_prompt_ids
+from eagle3_assets.lib.hidden_states.token_sequences import (
+    TemplateMismatchError,
+    render_prompt_ids,
+)
 from eagle3_assets.lib.serving.vllm_launcher import LaunchError
 from eagle3_assets.localdev.miniature import miniature_server
-from eagle3_assets.localdev.tokenizer import CHAT_TEMPLATE
 from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.templates import KWARGS, thinking_target
 
 pytestmark = pytest.mark.vllm
-
-GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
-# Kimi-like: instant mode (thinking false opens the answer with an empty think block)
-THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
-    GENERATION_PROMPT,
-    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}"
-    "{%- if thinking is defined and not thinking -%}{{ '<think></think>' }}{%- endif -%}"
-    "{%- endif -%}",
-)
-KWARGS = {"thinking": False}
-
-
-def thinking_target(target: Path, out: Path) -> Path:
-    """The target's files, its chat template swapped for one that reads `thinking`."""
-    out.mkdir()
-    for file in target.iterdir():
-        if file.name not in ("tokenizer_config.json", "chat_template.jinja"):
-            (out / file.name).symlink_to(file.resolve())
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": THINKING_TEMPLATE})
-    )
-    (out / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    return out
 
 
 def test_evaluation_requests_render_with_the_generations_template_kwargs(
     test_world, serving_python, tmp_path
 ):
-    assert THINKING_TEMPLATE != CHAT_TEMPLATE
     target = thinking_target(test_world.target_v2, tmp_path / "target")
     conversations = [c.messages for c in load_conversations(test_world.heldout_prompts)][:4]
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -73,7 +51,12 @@ def test_evaluation_requests_render_with_the_generations_template_kwargs(
 
     def measure(settings: EvaluationSettings):
         (measured,) = evaluate(
-            spec, [Contender(BASELINE, None)], {"held-out": conversations}, settings, results
+            spec,
+            [Contender(BASELINE, None)],
+            {"held-out": conversations},
+            settings,
+            results,
+            tokenizer,  # renders as the server does: the check before measuring passes
         )
         return measured
 
@@ -86,3 +69,32 @@ def test_evaluation_requests_render_with_the_generations_template_kwargs(
     assert measure(settings) == measured  # same rendering: the saved measurement
     with pytest.raises(LaunchError, match="serving interpreter not found"):
         measure(settings.model_copy(update={"chat_template_kwargs": None}))  # another: a new server
+
+
+def test_a_server_rendering_otherwise_is_an_error_naming_both_renderings(
+    test_world, vllm_target, tmp_path
+):
+    """The session's server renders target-v2's own template, which has no `thinking`. Checked
+    against a local template that reads it, instant mode is an error showing where the two
+    renderings part; against its own template, or without the kwarg, there is none."""
+    conversations = [c.messages for c in load_conversations(test_world.heldout_prompts)][:4]
+    sets = {"held-out": conversations}
+    plain = AutoTokenizer.from_pretrained(test_world.target_v2)
+    thinking = AutoTokenizer.from_pretrained(
+        thinking_target(test_world.target_v2, tmp_path / "target")
+    )
+    url, model = vllm_target.base_url, vllm_target.served_model_name
+    check_served_rendering(url, model, sets, plain, KWARGS)  # the template ignores the kwarg
+    check_served_rendering(url, model, sets, thinking, None)  # `thinking` undefined: as served
+
+    with pytest.raises(TemplateMismatchError) as mismatch:
+        check_served_rendering(url, model, sets, thinking, KWARGS)
+    served = render_prompt_ids(plain, conversations[0], {})
+    server = f"the evaluation's vLLM ({url})"
+    assert str(mismatch.value).splitlines()[:3] == [
+        f"4 of 4 prompts render differently with the local chat template and "
+        f'chat_template_kwargs {{"thinking": false}} than {server} rendered them; first, '
+        f"held-out #0, from token {len(served)} on (after {plain.decode(served[-12:])!r}):",
+        f"  {server} rendered: ''",
+        "  the local template rendered: '<think></think>'",
+    ]

@@ -41,9 +41,10 @@ from eagle3_assets.lib.hidden_states.shard_format import (
     quantize_fp8,
 )
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
-from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+from eagle3_assets.lib.hidden_states.token_sequences import TemplateMismatchError, build_sequences
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.templates import KWARGS, THINKING_TEMPLATE
 
 N_LAYERS = 8  # the test-size target
 LAYERS = LayerSelection(aux=(2, 4, 5), final=N_LAYERS, source="test")
@@ -63,9 +64,7 @@ def tokenizer(test_world):
 
 @pytest.fixture(scope="module")
 def sequences(rows, tokenizer):
-    sequences, mismatches = build_sequences(rows, tokenizer)
-    assert mismatches == []
-    return sequences
+    return build_sequences(rows, tokenizer)  # every prompt renders here as it was served
 
 
 @pytest.fixture(scope="module")
@@ -173,17 +172,54 @@ def test_loss_mask_covers_exactly_the_response_tokens(rows, tokenizer, sequences
         assert sequence.teacher_positions.tolist() == list(range(first - 1, len(sequence) - 1))
 
 
-def test_truncation_and_template_drift_and_missing_ids(rows, tokenizer):
-    sequences, _ = build_sequences(rows[:3], tokenizer, max_length=24)
+def test_truncation_and_missing_ids(rows, tokenizer):
+    sequences = build_sequences(rows[:3], tokenizer, max_length=24)
     for row, sequence in zip(rows[:3], sequences, strict=True):
         full = len(row["prompt_token_ids"]) + len(row["token_ids"])
         assert len(sequence) == min(full, 24) and sequence.truncated == (full > 24)
-    drifted = dict(rows[0], prompt_token_ids=[*rows[0]["prompt_token_ids"][:5], 7, 7, 7])
-    _, mismatches = build_sequences([drifted], tokenizer)
-    assert [m.position for m in mismatches] == [5]
-    assert mismatches[0].served == [7, 7, 7]
     with pytest.raises(ValueError, match=r"has no token ids.*return_token_ids"):
         build_sequences([dict(rows[0], token_ids=None)], tokenizer)
+
+
+def test_a_prompt_rendered_otherwise_than_served_is_an_error_naming_both(
+    test_world, rows, tokenizer
+):
+    """The rows' prompts were rendered without kwargs. A local template that reads `thinking`
+    renders them alike without it (or with thinking on) and otherwise in instant mode: an
+    error naming the kwargs, how many prompts differ, and the first one's two renderings,
+    decoded, from the first differing token on."""
+    thinking = AutoTokenizer.from_pretrained(test_world.target_v2)
+    thinking.chat_template = THINKING_TEMPLATE
+    assert len(build_sequences(rows, thinking)) == len(rows)
+    assert len(build_sequences(rows, thinking, {"thinking": True})) == len(rows)
+
+    with pytest.raises(TemplateMismatchError) as mismatch:
+        build_sequences(rows, thinking, KWARGS)
+    served = rows[0]["prompt_token_ids"]
+    assert str(mismatch.value).splitlines()[:3] == [
+        f"{len(rows)} of {len(rows)} prompts render differently with the local chat template "
+        f'and chat_template_kwargs {{"thinking": false}} than vLLM rendered them; first, '
+        f"{rows[0]['sample_id']}, from token {len(served)} on "
+        f"(after {tokenizer.decode(served[-12:])!r}):",
+        "  vLLM rendered:               ''",
+        "  the local template rendered: '<think></think>'",
+    ]
+    assert mismatch.value.total == len(rows) == len(mismatch.value.mismatches)
+
+    # a server that rendered other tokens mid-prompt: the text from there on, both ways
+    drifted = dict(
+        rows[0],
+        prompt_token_ids=[*served[:5], *tokenizer.encode("Hello", add_special_tokens=False)],
+    )
+    with pytest.raises(TemplateMismatchError) as mismatch:
+        build_sequences([drifted], tokenizer)
+    (found,) = mismatch.value.mismatches
+    assert (found.position, found.before, found.served) == (
+        5,
+        tokenizer.decode(served[:5]),
+        "Hello",
+    )
+    assert found.rendered == tokenizer.decode(served[5:17])
 
 
 # --- formats ----------------------------------------------------------------------------------
@@ -309,7 +345,7 @@ from eagle3_assets_tests.conftest import free_port
 
 target, rows_path, out_dir, pause = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
 rows = json.loads(Path(rows_path).read_text())
-sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(target))
+sequences = build_sequences(rows, AutoTokenizer.from_pretrained(target))
 layers = LayerSelection((2, 4, 5), 8, "test")
 extract_batch(
     sequences, out_dir, lambda: HFTarget(target, layers.ids, dtype="bfloat16", device="cpu"),

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm, read_drafter
+from eagle3_assets.lib.core.layer_ids import default_aux_layers
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, between, snapshot
 from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
@@ -67,7 +68,7 @@ def greedy_token_ids(base_url: str, messages: list[dict]) -> list[int]:
 def export(source: Path, out_dir: Path, target_dir: Path) -> Path:
     target = TargetShape.from_config(target_dir)
     exported = export_for_vllm(source, out_dir, target)
-    assert read_drafter(exported, target).aux_layer_ids.vllm == (2, 4, 5)  # nested SGLang [1, 3, 4]
+    assert read_drafter(exported, target).aux_layer_ids.vllm == (3, 5, 6)  # nested SGLang [2, 4, 5]
     return exported
 
 
@@ -91,7 +92,9 @@ def serve_and_run(test_world, serving_python, drafter: Path, run_dir: Path) -> S
 def runs(test_world, test_hub, serving_python, tmp_path_factory) -> dict[str, SpeculativeRun]:
     """The two server starts of this file: untrained, then trained."""
     scratch = tmp_path_factory.mktemp("drafters")
-    untrained = make_untrained_drafter(test_world.target_v2, scratch / "untrained", 256, seed=1)
+    untrained = make_untrained_drafter(
+        test_world.target_v2, scratch / "untrained", 256, seed=1, nested_ids=default_aux_layers(8)
+    )  # the world drafter's nested ids
     trained = train_world_drafter(test_world, 256)  # what test_hub published
     return {
         name: serve_and_run(
@@ -106,11 +109,11 @@ def runs(test_world, test_hub, serving_python, tmp_path_factory) -> dict[str, Sp
 
 @pytest.mark.parametrize("name", ["untrained", "trained"])
 def test_vllm_takes_the_aux_layers_from_our_config(runs, name):
-    # "from (speculative) config", not "from model": (2, 4, 5) is also vLLM's default for
-    # 8 layers, so only the source in the line proves it read our top-level ids.
+    # "from (speculative) config", not "from model": the source in the line proves it read our
+    # top-level ids (vLLM's default for 8 layers would be (2, 4, 5)).
     lines = [line for line in runs[name].log.splitlines() if "auxiliary layers" in line]
     assert any(
-        re.search(r"auxiliary layers from (speculative )?config: \(2, 4, 5\)", line)
+        re.search(r"auxiliary layers from (speculative )?config: \(3, 5, 6\)", line)
         for line in lines
     ), lines
 

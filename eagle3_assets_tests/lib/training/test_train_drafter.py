@@ -38,7 +38,7 @@ def corpus(test_world, tmp_path_factory) -> dict[str, Path]:
     """Two batches of hidden states (24 greedy answers of target-v2) and an untrained drafter."""
     root = tmp_path_factory.mktemp("training")
     rows = greedy_generation_rows(test_world.target_v2, test_world.prompts, 24, max_new_tokens=40)
-    sequences, _ = build_sequences(rows, AutoTokenizer.from_pretrained(test_world.target_v2))
+    sequences = build_sequences(rows, AutoTokenizer.from_pretrained(test_world.target_v2))
     for name, part in (("batch-00000", sequences[:12]), ("batch-00001", sequences[12:])):
         extract_batch(
             part,

@@ -1,0 +1,361 @@
+"""Which layers a warm start reads, measured when its config cannot say, then pinned.
+
+A SpecForge config nests its aux ids in `eagle_config`, in SGLang convention by SpecForge's
+own rule; but AQ-MedAI/Kimi-K2-Instruct-eagle3 nests [2, 30, 58], which is also exactly vLLM's
+default for 61 layers, so it may be vLLM ids. Read one way the drafter is fed [3, 31, 59],
+the other [2, 30, 58]; only the weights know which they were trained on. So when both
+readings are valid for the target and differ (`layer_ids.nested_readings`), the served target
+answers a few held-out prompts, their states are extracted at the union of both readings'
+layers, and the drafter's teacher-forced TTT accuracy is measured both ways
+(`train_drafter.heldout_accuracy`). The reading that scores clearly higher wins; when neither
+does, the user must say (EAGLE3_AUX_LAYER_IDS) instead of the pipeline guessing.
+
+Whatever decides the ids (the probe or the user), they are pinned in the downloaded config:
+top-level ids in vLLM convention, the nested list rewritten consistently, the published
+nested list kept in `PIN_FIELD`. Every reader (drafter_io, extraction, training, export,
+vLLM itself) then sees the same layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle3_assets.lib.core.atomic_files import write_atomically
+from eagle3_assets.lib.core.layer_ids import (
+    KEY,
+    AuxLayerIds,
+    Reading,
+    check_layer_ids,
+    fc_order,
+    nested_readings,
+    vllm_to_sglang,
+)
+from eagle3_assets.lib.core.target import TargetShape
+
+if TYPE_CHECKING:  # torch, pyarrow: imported where used
+    from contextlib import AbstractContextManager
+
+    from eagle3_assets.lib.generation.conversations import Conversation
+    from eagle3_assets.lib.generation.settings import GenerationConfig
+    from eagle3_assets.lib.hidden_states.extract import ExtractionSettings, StateSource
+
+PROBE_TTT_STEPS = 3  # recorded for the user; the choice reads step 0 alone
+PIN_FIELD = "eagle3_assets_aux_layer_ids"  # config.json: how the top-level ids were decided
+OVERRIDE_VARIABLE = "EAGLE3_AUX_LAYER_IDS"
+
+
+@dataclass(frozen=True)
+class Margin:
+    """When one reading's step-0 accuracy is "clearly" higher than the other's: by at least
+    `absolute` and by a factor of at least `ratio`."""
+
+    absolute: float
+    ratio: float
+
+    def clearly_higher(self, a: float, b: float) -> bool:
+        return a - b >= self.absolute and a >= self.ratio * b
+
+
+# Measured on the Llama test world (8 layers; 5 held-out answers of the served target-v2,
+# 278 supervised tokens): world drafters trained on the SGLang / vLLM reading scored
+# 0.180 / 0.187 and 0.205 / 0.205 (sglang / vllm reading), an untrained one 0.000 both ways;
+# on target-v1's own answers the SGLang-trained one scored 0.81 at its layers, 0.81 at the
+# other reading and 0.85 at [5, 6, 7]. Unrelated readings move step 0 by up to ~0.04, so a
+# gap of 0.05 (~14 of 278 tokens) is the least that is evidence; the 1.25x ratio keeps two
+# low scores from deciding by a small absolute gap alone.
+CLEARLY_HIGHER = Margin(absolute=0.05, ratio=1.25)
+
+
+class LayerIdsUnclear(ValueError):
+    """Neither reading of the nested ids scored clearly higher: the user must set them."""
+
+
+@dataclass(frozen=True)
+class ProbeScores:
+    """Teacher-forced TTT accuracy (per step) of one drafter read both ways, on the same
+    samples."""
+
+    readings: dict[Reading, tuple[int, ...]]  # vLLM ids each reading feeds the drafter
+    accuracy: dict[Reading, list[float]]
+    samples: int
+    tokens: int  # supervised positions at step 0
+
+    def step0(self, reading: Reading) -> float:
+        return self.accuracy[reading][0]
+
+    def describe(self) -> str:
+        return (
+            ", ".join(
+                f"{reading} reading {list(ids)}: step-0 accuracy {self.step0(reading):.3f}"
+                for reading, ids in self.readings.items()
+            )
+            + f" ({self.samples} samples, {self.tokens} tokens)"
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "readings": {str(r): list(ids) for r, ids in self.readings.items()},
+            "accuracy": {str(r): acc for r, acc in self.accuracy.items()},
+            "samples": self.samples,
+            "tokens": self.tokens,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProbeScores:
+        return cls(
+            {Reading(r): tuple(ids) for r, ids in data["readings"].items()},
+            {Reading(r): list(acc) for r, acc in data["accuracy"].items()},
+            data["samples"],
+            data["tokens"],
+        )
+
+
+def choose_reading(scores: ProbeScores, margin: Margin = CLEARLY_HIGHER) -> Reading:
+    """The reading whose step-0 accuracy is clearly higher; LayerIdsUnclear, naming both
+    scores and the setting to use, when neither is."""
+    first, second = scores.readings
+    for winner, loser in ((first, second), (second, first)):
+        if margin.clearly_higher(scores.step0(winner), scores.step0(loser)):
+            return winner
+    raise LayerIdsUnclear(
+        f"the warm start's nested {KEY} can be read two ways and neither scores clearly "
+        f"higher (by {margin.absolute} and {margin.ratio}x at TTT step 0): "
+        f"{scores.describe()}. Set {OVERRIDE_VARIABLE} to the vLLM ids it was trained on, "
+        f"e.g. {','.join(map(str, scores.readings[first]))}"
+    )
+
+
+def score_readings(
+    drafter_dir: Path,
+    target_dir: Path,
+    hidden_dir: Path,
+    readings: dict[Reading, tuple[int, ...]],
+    ttt_length: int = PROBE_TTT_STEPS,
+) -> ProbeScores:
+    """The drafter's accuracy on every sample of `hidden_dir` (shards holding the union of
+    the readings' layers), read each way."""
+    from eagle3_assets.lib.training.train_drafter import heldout_accuracy
+
+    rows = {
+        reading: heldout_accuracy(
+            drafter_dir, target_dir, [str(hidden_dir)], 1.0, ttt_length, aux_layer_ids=ids
+        )
+        for reading, ids in readings.items()
+    }
+    first = next(iter(rows.values()))
+    if first["accuracy"] is None:
+        raise LayerIdsUnclear(
+            f"no supervised token among the {first['samples']} probe samples in {hidden_dir}: "
+            f"nothing to score the readings on. Set {OVERRIDE_VARIABLE}"
+        )
+    return ProbeScores(
+        dict(readings),
+        {reading: row["accuracy"] for reading, row in rows.items()},
+        first["samples"],
+        first["tokens"],
+    )
+
+
+def union_layers(readings: dict[Reading, tuple[int, ...]]) -> tuple[int, ...]:
+    """The aux layers to extract so that every reading can be scored on the same samples."""
+    return fc_order([i for ids in readings.values() for i in ids])
+
+
+def probe_key(drafter_revision: str, target_dir: Path, target_revision: str | None) -> str:
+    """What a probe's scores depend on: the drafter's files (a revision sha names them) and
+    the target (its folder, revision and config). A restart with the same pair re-probes
+    nothing."""
+    config = hashlib.sha256((Path(target_dir) / "config.json").read_bytes()).hexdigest()
+    payload = [drafter_revision, str(target_dir), target_revision, config]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LayerIdDecision:
+    """The aux ids pinned in the warm start, and why."""
+
+    vllm: tuple[int, ...]
+    how: str  # "probe" or OVERRIDE_VARIABLE
+    published_nested: list[int] | None  # eagle_config's list as published
+    reading: Reading | None = None  # the probe's choice
+    scores: ProbeScores | None = None
+
+    def record(self) -> dict:
+        """What the config keeps (PIN_FIELD): deterministic, so the pinned files of one
+        revision are byte-identical at every restart."""
+        return {
+            "decided_by": self.how,
+            "published_eagle_config_ids": self.published_nested,
+            "reading": None if self.reading is None else str(self.reading),
+        }
+
+    def metadata(self) -> dict:
+        """Flat values for the asset's metadata."""
+        meta: dict = {
+            "aux_layer_ids_decided_by": self.how,
+            "aux_layer_ids_published_nested": self.published_nested,
+            "aux_layer_ids_reading": "none" if self.reading is None else str(self.reading),
+        }
+        if self.scores is not None:
+            for reading in self.scores.readings:
+                meta[f"layer_probe_{reading}_ids"] = list(self.scores.readings[reading])
+                meta[f"layer_probe_{reading}_accuracy"] = [
+                    round(a, 4) for a in self.scores.accuracy[reading]
+                ]
+            meta["layer_probe_samples"] = self.scores.samples
+            meta["layer_probe_tokens"] = self.scores.tokens
+        return meta
+
+
+def pin_layer_ids(drafter_dir: Path, decision: LayerIdDecision) -> None:
+    """Rewrite config.json so that every reader sees `decision.vllm`: top-level ids (vLLM
+    reads only these), the nested list (when the layout has one) in SGLang convention as
+    SpecForge writes it, and PIN_FIELD saying how they were decided and what was published."""
+    path = Path(drafter_dir) / "config.json"
+    config = json.loads(path.read_text())
+    config[KEY] = list(decision.vllm)
+    if isinstance(config.get("eagle_config"), dict):
+        config["eagle_config"][KEY] = list(vllm_to_sglang(decision.vllm))
+    config[PIN_FIELD] = decision.record()
+    write_atomically(path, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def _published_nested(drafter_dir: Path) -> list[int] | None:
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    nested = config.get("eagle_config")
+    return nested.get(KEY) if isinstance(nested, dict) else None
+
+
+def check_override(ids: Sequence[int], current: AuxLayerIds, target: TargetShape) -> None:
+    """The user's ids fit the drafter and the target: as many as its fc reads, ascending and
+    unique (vLLM's order), in range. ValueError naming the variable, expected and found."""
+    if len(ids) != len(current.vllm):
+        raise ValueError(
+            f"{OVERRIDE_VARIABLE}: expected {len(current.vllm)} ids (the drafter's fc reads "
+            f"{len(current.vllm)} aux states), found {list(ids)}"
+        )
+    if list(ids) != list(fc_order(ids)):
+        raise ValueError(
+            f"{OVERRIDE_VARIABLE}: expected ascending unique ids (vLLM sorts them), "
+            f"found {list(ids)}"
+        )
+    check_layer_ids(ids, target.num_hidden_layers, OVERRIDE_VARIABLE)
+
+
+def settle_layer_ids(
+    drafter_dir: Path,
+    current: AuxLayerIds,
+    target: TargetShape,
+    override: Sequence[int] | None,
+    cache_file: Path,
+    measure: Callable[[dict[Reading, tuple[int, ...]]], ProbeScores],
+    log: Callable[[str], None] = print,
+) -> LayerIdDecision | None:
+    """Decide and pin the aux ids of the validated drafter in `drafter_dir` (`current`: what
+    its config says). The user's `override` wins, checked, with no probe. Otherwise, when the
+    nested ids are ambiguous, `measure` scores both readings (its scores are kept in
+    `cache_file`, so the same drafter and target are measured once) and the clearly better
+    reading is pinned; LayerIdsUnclear when neither is. None: nothing to decide."""
+    published = _published_nested(drafter_dir)
+    if override is not None:
+        check_override(override, current, target)
+        decision = LayerIdDecision(tuple(override), OVERRIDE_VARIABLE, published)
+        log(f"aux layers {list(override)} (vLLM ids) from {OVERRIDE_VARIABLE}: no probe")
+        pin_layer_ids(drafter_dir, decision)
+        return decision
+    readings = nested_readings(current, target.num_hidden_layers)
+    if readings is None:
+        return None
+    if cache_file.exists():
+        scores = ProbeScores.from_json(json.loads(cache_file.read_text()))
+        log(f"layer probe: scores measured earlier for this drafter and target ({cache_file})")
+    else:
+        log(
+            f"layer probe: eagle_config ids {published} can be read as "
+            + " or ".join(f"{r} {list(ids)}" for r, ids in readings.items())
+            + " (vLLM ids); scoring both"
+        )
+        scores = measure(readings)
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(cache_file, json.dumps(scores.to_json(), indent=1).encode())
+    log(f"layer probe: {scores.describe()}")
+    reading = choose_reading(scores)
+    decision = LayerIdDecision(readings[reading], "probe", published, reading, scores)
+    log(f"layer probe: chose the {reading} reading, aux layers {list(decision.vllm)} (vLLM ids)")
+    pin_layer_ids(drafter_dir, decision)
+    return decision
+
+
+@dataclass(frozen=True)
+class ProbeSamples:
+    """Where the probe's samples come from and go: plain values the asset fills in."""
+
+    conversations: Sequence[Conversation]  # held out: never batched for training
+    base_urls: Sequence[str]
+    served_model: str
+    api_key: str | None
+    generation: GenerationConfig  # the recipe's; answered greedy, cut at max_tokens
+    max_tokens: int
+    work_dir: Path
+
+
+def measure_readings(
+    samples: ProbeSamples,
+    drafter_dir: Path,
+    target_dir: Path,
+    tokenizer: Any,
+    open_source: Callable[[tuple[int, ...]], AbstractContextManager[StateSource]],
+    extraction: ExtractionSettings,
+    identity: dict[str, Any],
+    readings: dict[Reading, tuple[int, ...]],
+    log: Callable[[str], None] = print,
+) -> ProbeScores:
+    """The served target answers the held-out prompts greedy (the recipe's template kwargs),
+    their token sequences are built exactly as extraction builds them, the states at the
+    union of the readings' layers (and the final one) are extracted with the configured
+    backend (`open_source(layer ids)`, `extraction`: ExtractionSettings), and both readings
+    are scored. Generations and shards are resumable under `samples.work_dir`."""
+    import pyarrow.parquet as pq
+
+    from eagle3_assets.lib.generation.batch import run_batch
+    from eagle3_assets.lib.hidden_states.extract import LayerSelection, extract_batch
+    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+
+    recipe = samples.generation.model_copy(
+        update={"temperature": 0.0, "max_tokens": samples.max_tokens}
+    )
+    summary = run_batch(
+        list(samples.conversations),
+        samples.work_dir / "generations",
+        samples.base_urls,
+        samples.served_model,
+        recipe,
+        api_key=samples.api_key,
+    )
+    if summary.final_path is None:
+        raise RuntimeError(
+            f"layer probe: {summary.failed} of {summary.total} held-out prompts failed: "
+            f"{next(iter(summary.failures.values()), '')}"
+        )
+    rows = pq.read_table(summary.final_path).to_pylist()
+    template_kwargs = recipe.chat_template_kwargs or {}
+    sequences = build_sequences(rows, tokenizer, template_kwargs, extraction.max_length)
+    num_layers = TargetShape.from_config(Path(target_dir)).num_hidden_layers
+    layers = LayerSelection(union_layers(readings), num_layers, "layer probe: both readings")
+    hidden_dir = samples.work_dir / "hidden_states"
+    extract_batch(
+        sequences,
+        hidden_dir,
+        lambda: open_source(layers.ids),
+        layers,
+        TargetShape.from_config(Path(target_dir)).hidden_size,
+        extraction,
+        {**identity, "chat_template_kwargs": template_kwargs},
+        progress=log,
+    )
+    return score_readings(drafter_dir, target_dir, hidden_dir, readings)
