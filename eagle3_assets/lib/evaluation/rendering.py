@@ -10,13 +10,11 @@ against the same local rendering, with the same error.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from eagle3_assets.lib.hidden_states.token_sequences import check_rendering
+from eagle3_assets.lib.serving.vllm_probe import post_json
 
 
 def served_prompt_ids(
@@ -37,20 +35,7 @@ def served_prompt_ids(
     }
     if chat_template_kwargs is not None:
         payload["chat_template_kwargs"] = dict(chat_template_kwargs)
-    request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/tokenize",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return list(json.loads(response.read())["tokens"])
-    except urllib.error.HTTPError as error:
-        raise RuntimeError(
-            f"{base_url}/tokenize answered {error.code}: {error.read()[:300]!r}"
-        ) from error
+    return list(post_json(base_url, "/tokenize", payload, api_key, timeout_s)["tokens"])
 
 
 def check_served_rendering(

@@ -138,21 +138,8 @@ def smoke_chat(
     }
     if chat_template_kwargs is not None:
         payload["chat_template_kwargs"] = chat_template_kwargs
-    request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/v1/chat/completions",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
     started = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        raise RuntimeError(
-            f"{base_url} chat completion answered {error.code}: {error.read()[:300]!r}"
-        ) from error
+    body = post_json(base_url, "/v1/chat/completions", payload, api_key, timeout_s)
     choice = body["choices"][0]
     return {
         "text": choice["message"].get("content") or "",
@@ -161,6 +148,27 @@ def smoke_chat(
         "completion_tokens": body["usage"]["completion_tokens"],
         "latency_s": time.monotonic() - started,
     }
+
+
+def post_json(
+    base_url: str, path: str, payload: dict[str, Any], api_key: str | None, timeout_s: float
+) -> dict:
+    """POST `payload` to one of the server's endpoints; an HTTP error is raised naming the
+    endpoint, its status and the start of the server's answer."""
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}{path}",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(
+            f"{base_url.rstrip('/')}{path} answered {error.code}: {error.read()[:300]!r}"
+        ) from error
 
 
 def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
