@@ -16,6 +16,13 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
     "{%- endif -%}",
 )
 KWARGS = {"thinking": False}
+# Every role and a past assistant turn: what the worlds' exact-rendering tests render.
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is a loop?"},
+    {"role": "assistant", "content": "A repeated block."},
+    {"role": "user", "content": 'And "for"?'},
+]
 
 
 def thinking_target(target: Path, out: Path) -> Path:

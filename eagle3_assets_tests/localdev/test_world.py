@@ -16,6 +16,7 @@ from eagle3_assets.localdev import targets
 from eagle3_assets.localdev import world as world_module
 from eagle3_assets.localdev.prompts import HELDOUT_EVERY, candidate_conversations, topics
 from eagle3_assets.localdev.world import SIZES, World, build_world
+from eagle3_assets_tests.templates import CONVERSATION
 
 SPECIAL_IDS = {"<|system|>": 0, "<|user|>": 1, "<|assistant|>": 2, "<|end|>": 3, "<|pad|>": 4}
 
@@ -50,12 +51,7 @@ def test_tokenizer_round_trips_any_text(tokenizer) -> None:
 
 
 def test_chat_template_renders_exactly(tokenizer) -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is a loop?"},
-        {"role": "assistant", "content": "A repeated block."},
-        {"role": "user", "content": 'And "for"?'},
-    ]
+    messages = CONVERSATION
     expected = (
         "<|system|>\nBe brief.<|end|>\n"
         "<|user|>\nWhat is a loop?<|end|>\n"

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.world import SIZES, World
+from eagle3_assets_tests.templates import CONVERSATION
 
 SPECIAL_IDS = {
     "<|im_system|>": 0,
@@ -106,12 +107,7 @@ def test_special_tokens(tokenizer) -> None:
 
 
 def test_chat_template_renders_thinking_and_instant_mode(tokenizer) -> None:
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is a loop?"},
-        {"role": "assistant", "content": "A repeated block."},
-        {"role": "user", "content": 'And "for"?'},
-    ]
+    messages = CONVERSATION
     history = (
         "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
         "<|im_user|>user<|im_middle|>What is a loop?<|im_end|>"
