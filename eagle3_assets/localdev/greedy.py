@@ -1,16 +1,20 @@
 """Generation rows made by a miniature target itself (greedy, in transformers): the rows a
-vLLM server's batch would hold, token ids included, for tests, benchmarks and the world's
-warm-start drafter, without starting a server."""
+vLLM server's batch would hold, token ids included, and their hidden states, for tests,
+benchmarks and the world's warm-start drafter, without starting a server."""
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.generation.conversations import load_conversations
-from eagle3_assets.lib.hidden_states.token_sequences import render_prompt_ids
+from eagle3_assets.lib.hidden_states.token_sequences import build_sequences, render_prompt_ids
+
+if TYPE_CHECKING:
+    from eagle3_assets.lib.hidden_states.extract import LayerSelection
 
 BATCH = 16  # prompts per generate call, left-padded
 
@@ -70,3 +74,43 @@ def greedy_generation_rows(
                 }
             )
     return rows
+
+
+def greedy_hidden_states(
+    target: Path,
+    prompts: Path,
+    count: int,
+    max_new_tokens: int,
+    layers: "LayerSelection",
+    out_dir: Path,
+    identity: dict[str, Any],
+    *,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Shards of the target's greedy answers to the first `count` prompts at `layers`, as a
+    batch's would be (rendered with `chat_template_kwargs`, the hf backend in fp32, stored
+    bf16 + bf16)."""
+    from eagle3_assets.lib.hidden_states.extract import ExtractionSettings, extract_batch
+    from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
+    from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
+
+    rows = greedy_generation_rows(
+        target,
+        prompts,
+        count,
+        max_new_tokens,
+        chat_template_kwargs=chat_template_kwargs,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    extract_batch(
+        build_sequences(rows, tokenizer, chat_template_kwargs),
+        out_dir,
+        lambda: HFTarget(target, layers.ids, dtype="float32", device="cpu"),
+        layers,
+        TargetShape.from_config(Path(target)).hidden_size,
+        ExtractionSettings(ShardFormat("bf16", "bf16")),
+        identity,
+    )
+    return out_dir

@@ -215,19 +215,10 @@ def train_world_drafter(
     have the same config and differ only in the layers their weights learned. Built once per
     world, vocab size and reading (in a temp dir renamed into place), so republishing is a
     no-op."""
-    from transformers import AutoTokenizer
-
     from eagle3_assets.lib.checkpoint.layer_probe import LayerIdDecision, pin_layer_ids
-    from eagle3_assets.lib.hidden_states.extract import (
-        ExtractionSettings,
-        LayerSelection,
-        extract_batch,
-    )
-    from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
-    from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
-    from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+    from eagle3_assets.lib.hidden_states.extract import LayerSelection
     from eagle3_assets.lib.training.train_drafter import RunConfig, train
-    from eagle3_assets.localdev.greedy import greedy_generation_rows
+    from eagle3_assets.localdev.greedy import greedy_hidden_states
 
     reading = Reading(reading)
     name = f"k2-drafter-{draft_vocab_size}-{reading}-v{DRAFTER_RECIPE_VERSION}"
@@ -247,27 +238,16 @@ def train_world_drafter(
         untrained = make_untrained_drafter(
             target, work / "drafter", draft_vocab_size, seed=0, nested_ids=nested
         )
-        rows = greedy_generation_rows(
+        greedy_hidden_states(
             target,
             world.prompts,
             count=64,
             max_new_tokens=64,
+            layers=layers,
+            out_dir=work / "hidden_states",
+            identity={"target": "target-v1"},
             chat_template_kwargs=world.spec.chat_template_kwargs,
-            trust_remote_code=world.spec.trust_remote_code,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            target,
             trust_remote_code=world.spec.trust_remote_code,  # Kimi's tokenizer: remote code
-        )
-        sequences = build_sequences(rows, tokenizer, world.spec.chat_template_kwargs)
-        extract_batch(
-            sequences,
-            work / "hidden_states",
-            lambda: HFTarget(target, layers.ids, dtype="float32", device="cpu"),
-            layers,
-            config["hidden_size"],
-            ExtractionSettings(ShardFormat("bf16", "bf16")),
-            {"target": "target-v1"},
         )
         # trained from a copy whose config pins the reading's layers; published with the
         # untrained drafter's config, which names only the nested list

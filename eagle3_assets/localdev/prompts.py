@@ -85,12 +85,28 @@ def write_prompt_pool(
     """Write `num_prompts` conversations (the smallest ids, so the choice is stable) as JSONL,
     split by id hash into the pool and a disjoint held-out file. Returns both counts."""
     candidates = candidate_conversations(topic_keys)
-    if num_prompts > len(candidates):
-        raise ValueError(f"num_prompts={num_prompts} exceeds the {len(candidates)} candidates")
-    chosen = set(sorted(c["prompt_id"] for c in candidates)[:num_prompts])
+    chosen = _chosen_ids(candidates, num_prompts)
     selected = [c for c in candidates if c["prompt_id"] in chosen]
     heldout = [c for c in selected if int(c["prompt_id"], 16) % HELDOUT_EVERY == 0]
     pool = [c for c in selected if int(c["prompt_id"], 16) % HELDOUT_EVERY != 0]
     for path, rows in ((pool_path, pool), (heldout_path, heldout)):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return len(pool), len(heldout)
+
+
+def write_unasked_prompts(num_prompts: int, topic_keys: tuple[str, ...] | None, path: Path) -> int:
+    """Write the candidates that `write_prompt_pool(num_prompts, ...)` leaves out, as JSONL:
+    prompts in neither the pool nor the held-out file, so no drafter of the world was trained
+    on their answers. Returns their count."""
+    candidates = candidate_conversations(topic_keys)
+    chosen = _chosen_ids(candidates, num_prompts)
+    rows = [c for c in candidates if c["prompt_id"] not in chosen]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
+def _chosen_ids(candidates: list[dict], num_prompts: int) -> set[str]:
+    """The `num_prompts` smallest prompt ids, so that the choice is stable."""
+    if num_prompts > len(candidates):
+        raise ValueError(f"num_prompts={num_prompts} exceeds the {len(candidates)} candidates")
+    return set(sorted(c["prompt_id"] for c in candidates)[:num_prompts])

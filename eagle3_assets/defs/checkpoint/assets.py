@@ -38,7 +38,7 @@ def drafter_checkpoint(
     """The drafter to finetune: config and safetensors only (a pickle is never fetched), checked
     against the served target's shape, so a wrong download fails here and not hours later.
     Its aux layer ids are settled and pinned in its config: EAGLE3_AUX_LAYER_IDS when set,
-    else, when nested ids read two ways, the reading that scores clearly higher on the served
+    else, when nested ids read two ways, the reading that scores clearly better on the served
     target's answers to a few held-out prompts (scored once per revision and target).
 
     Every serving start requests it (the `launch` run); when the resolved revision and the

@@ -6,9 +6,10 @@ default for 61 layers, so it may be vLLM ids. Read one way the drafter is fed [3
 the other [2, 30, 58]; only the weights know which they were trained on. So when both
 readings are valid for the target and differ (`layer_ids.nested_readings`), the served target
 answers a few held-out prompts, their states are extracted at the union of both readings'
-layers, and the drafter's teacher-forced TTT accuracy is measured both ways
-(`train_drafter.heldout_accuracy`). The reading that scores clearly higher wins; when neither
-does, the user must say (EAGLE3_AUX_LAYER_IDS) instead of the pipeline guessing.
+layers, and the drafter is scored both ways on the same samples, teacher-forced
+(`train_drafter.heldout_accuracy`). The reading whose step-0 loss is clearly lower, by a
+paired test over the samples (`CLEARLY_BETTER`), wins; when neither is, the user must say
+(EAGLE3_AUX_LAYER_IDS) instead of the pipeline guessing.
 
 Whatever decides the ids (the probe or the user), they are pinned in the downloaded config:
 top-level ids in vLLM convention, the nested list rewritten consistently, the published
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,62 +48,92 @@ if TYPE_CHECKING:  # torch, pyarrow: imported where used
     from eagle3_assets.lib.hidden_states.extract import ExtractionSettings, StateSource
 
 PROBE_TTT_STEPS = 3  # recorded for the user; the choice reads step 0 alone
+PROBE_VERSION = 2  # part of probe_key: scores an older probe measured are measured again
 PIN_FIELD = "eagle3_assets_aux_layer_ids"  # config.json: how the top-level ids were decided
 OVERRIDE_VARIABLE = "EAGLE3_AUX_LAYER_IDS"
 
 
 @dataclass(frozen=True)
-class Margin:
-    """When one reading's step-0 accuracy is "clearly" higher than the other's: by at least
-    `absolute` and by a factor of at least `ratio`."""
+class Clearly:
+    """When one reading is "clearly" better than the other: on the same probe samples, its
+    step-0 teacher-forced loss is lower by at least `t` standard errors of the paired
+    per-sample difference, over at least `min_samples` samples, and the drafter predicts at
+    all there (its loss below ln(draft vocab), a uniform guess's)."""
 
-    absolute: float
-    ratio: float
-
-    def clearly_higher(self, a: float, b: float) -> bool:
-        return a - b >= self.absolute and a >= self.ratio * b
+    t: float
+    min_samples: int
 
 
-# Measured on the Llama test world (8 layers; 5 held-out answers of the served target-v2,
-# 278 supervised tokens): world drafters trained on the SGLang / vLLM reading scored
-# 0.180 / 0.187 and 0.205 / 0.205 (sglang / vllm reading), an untrained one 0.000 both ways;
-# on target-v1's own answers the SGLang-trained one scored 0.81 at its layers, 0.81 at the
-# other reading and 0.85 at [5, 6, 7]. Unrelated readings move step 0 by up to ~0.04, so a
-# gap of 0.05 (~14 of 278 tokens) is the least that is evidence; the 1.25x ratio keeps two
-# low scores from deciding by a small absolute gap alone.
-CLEARLY_HIGHER = Margin(absolute=0.05, ratio=1.25)
+# Why a paired test and not an accuracy margin: reading a real Kimi-K2.5 drafter one layer
+# off costs ~0.10 acceptance length (SGLang PR #25454), a step-0 accuracy gap of a few
+# hundredths, so the former rule (+0.05 and 1.25x) would refuse every good drafter. Measured
+# on the Kimi test world (target-v1's greedy answers to 48 prompts no drafter trained on):
+# a warm start trained on the SGLang reading of [2, 4, 5] scored t = 3.31 for it, where its
+# accuracy gap was 0.003; one trained on [1, 3, 6]'s SGLang reading, t = 6.09; untrained,
+# t = 2.13 with a loss above chance. Adjacent layers of the miniature are nearly collinear
+# (cosine 0.95-0.99): warm starts trained on the vLLM (earlier) reading score within noise
+# both ways (t -0.38 to 1.07), and the probe refuses them. A wrong choice costs a little
+# acceptance that finetuning wins back; a refusal stops the pipeline: 3 standard errors
+# (a chance pick of ~1% on a drafter indifferent to the reading) weighs the two.
+CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 
 class LayerIdsUnclear(ValueError):
-    """Neither reading of the nested ids scored clearly higher: the user must set them."""
+    """Neither reading of the nested ids scored clearly better: the user must set them."""
 
 
 @dataclass(frozen=True)
 class ProbeScores:
-    """Teacher-forced TTT accuracy (per step) of one drafter read both ways, on the same
-    samples."""
+    """One drafter read both ways on the same samples: teacher-forced TTT accuracy per step
+    (for the user) and the step-0 loss of each sample (for the choice)."""
 
     readings: dict[Reading, tuple[int, ...]]  # vLLM ids each reading feeds the drafter
     accuracy: dict[Reading, list[float]]
+    sample_loss: dict[Reading, list[float]]  # the same samples in the same order
+    chance_loss: float  # ln(draft vocab): the loss of a drafter that knows nothing
     samples: int
     tokens: int  # supervised positions at step 0
 
-    def step0(self, reading: Reading) -> float:
-        return self.accuracy[reading][0]
+    def loss(self, reading: Reading) -> float:
+        return statistics.fmean(self.sample_loss[reading])
+
+    def paired_t(self, better: Reading, worse: Reading) -> float:
+        """How many standard errors `better`'s per-sample loss is below `worse`'s."""
+        gaps = [
+            w - b for b, w in zip(self.sample_loss[better], self.sample_loss[worse], strict=True)
+        ]
+        if len(gaps) < 2:
+            return 0.0
+        spread = statistics.stdev(gaps)
+        mean = statistics.fmean(gaps)
+        if spread == 0.0:
+            return math.inf if mean > 0 else 0.0
+        return mean / (spread / math.sqrt(len(gaps)))
+
+    def ranked(self) -> tuple[Reading, Reading]:
+        """(lower loss, higher loss)."""
+        better, worse = sorted(self.readings, key=self.loss)
+        return better, worse
 
     def describe(self) -> str:
+        better, worse = self.ranked()
         return (
-            ", ".join(
-                f"{reading} reading {list(ids)}: step-0 accuracy {self.step0(reading):.3f}"
+            "; ".join(
+                f"{reading} reading {list(ids)}: step-0 loss {self.loss(reading):.4f}, "
+                f"accuracy {self.accuracy[reading][0]:.3f}"
                 for reading, ids in self.readings.items()
             )
-            + f" ({self.samples} samples, {self.tokens} tokens)"
+            + f" (paired t {self.paired_t(better, worse):.2f} for the {better} reading; "
+            f"{len(self.sample_loss[better])} of {self.samples} samples supervised, "
+            f"{self.tokens} tokens; chance loss {self.chance_loss:.4f})"
         )
 
     def to_json(self) -> dict:
         return {
             "readings": {str(r): list(ids) for r, ids in self.readings.items()},
             "accuracy": {str(r): acc for r, acc in self.accuracy.items()},
+            "sample_loss": {str(r): loss for r, loss in self.sample_loss.items()},
+            "chance_loss": self.chance_loss,
             "samples": self.samples,
             "tokens": self.tokens,
         }
@@ -110,23 +143,35 @@ class ProbeScores:
         return cls(
             {Reading(r): tuple(ids) for r, ids in data["readings"].items()},
             {Reading(r): list(acc) for r, acc in data["accuracy"].items()},
+            {Reading(r): list(loss) for r, loss in data["sample_loss"].items()},
+            data["chance_loss"],
             data["samples"],
             data["tokens"],
         )
 
 
-def choose_reading(scores: ProbeScores, margin: Margin = CLEARLY_HIGHER) -> Reading:
-    """The reading whose step-0 accuracy is clearly higher; LayerIdsUnclear, naming both
-    scores and the setting to use, when neither is."""
-    first, second = scores.readings
-    for winner, loser in ((first, second), (second, first)):
-        if margin.clearly_higher(scores.step0(winner), scores.step0(loser)):
-            return winner
+def choose_reading(scores: ProbeScores, clearly: Clearly = CLEARLY_BETTER) -> Reading:
+    """The clearly better reading; LayerIdsUnclear, naming both scores, why neither is, and
+    the setting to use instead."""
+    better, worse = scores.ranked()
+    supervised = len(scores.sample_loss[better])
+    t = scores.paired_t(better, worse)
+    if scores.loss(better) >= scores.chance_loss:
+        why = (
+            f"the warm start predicts no better than chance either way (step-0 loss "
+            f"{scores.loss(better):.4f}, a uniform guess {scores.chance_loss:.4f})"
+        )
+    elif supervised < clearly.min_samples:
+        why = f"{supervised} probe samples supervise a position, fewer than {clearly.min_samples}"
+    elif t < clearly.t:
+        why = f"the {better} reading's loss is lower by {t:.2f} standard errors, not {clearly.t}"
+    else:
+        return better
+    first = next(iter(scores.readings))
     raise LayerIdsUnclear(
         f"the warm start's nested {KEY} can be read two ways and neither scores clearly "
-        f"higher (by {margin.absolute} and {margin.ratio}x at TTT step 0): "
-        f"{scores.describe()}. Set {OVERRIDE_VARIABLE} to the vLLM ids it was trained on, "
-        f"e.g. {','.join(map(str, scores.readings[first]))}"
+        f"better: {why}. {scores.describe()}. Set {OVERRIDE_VARIABLE} to the vLLM ids it "
+        f"was trained on, e.g. {','.join(map(str, scores.readings[first]))}"
     )
 
 
@@ -137,13 +182,20 @@ def score_readings(
     readings: dict[Reading, tuple[int, ...]],
     ttt_length: int = PROBE_TTT_STEPS,
 ) -> ProbeScores:
-    """The drafter's accuracy on every sample of `hidden_dir` (shards holding the union of
-    the readings' layers), read each way."""
+    """The drafter on every sample of `hidden_dir` (shards holding the union of the
+    readings' layers), read each way, one sample a batch."""
+    from eagle3_assets.lib.checkpoint.drafter_io import validate_drafter
     from eagle3_assets.lib.training.train_drafter import heldout_accuracy
 
     rows = {
         reading: heldout_accuracy(
-            drafter_dir, target_dir, [str(hidden_dir)], 1.0, ttt_length, aux_layer_ids=ids
+            drafter_dir,
+            target_dir,
+            [str(hidden_dir)],
+            1.0,
+            ttt_length,
+            batch_size=1,
+            aux_layer_ids=ids,
         )
         for reading, ids in readings.items()
     }
@@ -153,9 +205,12 @@ def score_readings(
             f"no supervised token among the {first['samples']} probe samples in {hidden_dir}: "
             f"nothing to score the readings on. Set {OVERRIDE_VARIABLE}"
         )
+    info = validate_drafter(drafter_dir, TargetShape.from_config(target_dir))
     return ProbeScores(
         dict(readings),
         {reading: row["accuracy"] for reading, row in rows.items()},
+        {reading: row["batch_loss"] for reading, row in rows.items()},
+        math.log(info.config.draft_vocab_size),
         first["samples"],
         first["tokens"],
     )
@@ -171,7 +226,7 @@ def probe_key(drafter_revision: str, target_dir: Path, target_revision: str | No
     the target (its folder, revision and config). A restart with the same pair re-probes
     nothing."""
     config = hashlib.sha256((Path(target_dir) / "config.json").read_bytes()).hexdigest()
-    payload = [drafter_revision, str(target_dir), target_revision, config]
+    payload = [drafter_revision, str(target_dir), target_revision, config, PROBE_VERSION]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
@@ -202,13 +257,17 @@ class LayerIdDecision:
             "aux_layer_ids_reading": "none" if self.reading is None else str(self.reading),
         }
         if self.scores is not None:
-            for reading in self.scores.readings:
-                meta[f"layer_probe_{reading}_ids"] = list(self.scores.readings[reading])
+            scores = self.scores
+            for reading in scores.readings:
+                meta[f"layer_probe_{reading}_ids"] = list(scores.readings[reading])
+                meta[f"layer_probe_{reading}_step0_loss"] = round(scores.loss(reading), 4)
                 meta[f"layer_probe_{reading}_accuracy"] = [
-                    round(a, 4) for a in self.scores.accuracy[reading]
+                    round(a, 4) for a in scores.accuracy[reading]
                 ]
-            meta["layer_probe_samples"] = self.scores.samples
-            meta["layer_probe_tokens"] = self.scores.tokens
+            meta["layer_probe_paired_t"] = round(scores.paired_t(*scores.ranked()), 2)
+            meta["layer_probe_chance_loss"] = round(scores.chance_loss, 4)
+            meta["layer_probe_samples"] = scores.samples
+            meta["layer_probe_tokens"] = scores.tokens
         return meta
 
 

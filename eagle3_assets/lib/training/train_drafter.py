@@ -360,8 +360,10 @@ def heldout_accuracy(
     """Per-position TTT accuracy of a saved drafter on the held-out samples of the shards:
     the training-time view of a drafter (teacher-forced on the target's own states), not
     acceptance in a serving engine. `aux_layer_ids` (vLLM ids) reads the drafter at those
-    layers instead of its config's. {"samples", "tokens", "accuracy": [...]} (None: no
-    held-out sample)."""
+    layers instead of its config's. {"samples", "tokens", "accuracy": [...] (None: no
+    held-out sample), "batch_loss": [...]}: the step-0 loss of each batch that supervises a
+    position, in the reader's order (with batch_size 1, of each sample: the layer probe's
+    paired comparison of two readings on the same samples)."""
     device = _device()
     head = TargetHead(target).to(device)
     reader = ShardReader(
@@ -375,16 +377,20 @@ def heldout_accuracy(
     columns = aux_columns(reader, aux_ids, drafter)
     model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
+    batch_loss = []
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
     while chunk := list(itertools.islice(samples, batch_size)):
         batch = make_batch(chunk, head, model.t2d, ttt_length, columns)
-        _, _, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
+        _, losses, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
         hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
         counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]
+        if batch_counts[0]:
+            batch_loss.append(losses[0])
     return {
         "samples": len(reader),
         "tokens": counts[0],
         "accuracy": [h / c for h, c in zip(hits, counts, strict=True)] if counts[0] else None,
+        "batch_loss": batch_loss,
     }
 
 

@@ -1,8 +1,8 @@
 """drafter_checkpoint's layer probe against the session's real vLLM server: a warm start whose
 nested ids are vLLM's default (as AQ-MedAI's) reads two ways; the served target answers the
 held-out prompts, both readings' layers are extracted and scored, and an untrained drafter,
-which neither reading makes better, is refused naming both scores. The scores are kept: a
-restart with the same revision and target measures nothing again."""
+which predicts no better than chance either way, is refused naming both scores. The scores
+are kept: a restart with the same revision and target measures nothing again."""
 
 import dagster as dg
 import pytest
@@ -41,12 +41,12 @@ def test_an_untrained_trap_drafter_is_refused_naming_both_scores(
         return str(result.get_step_failure_events()[0].event_specific_data.error), logs
 
     message, logs = refusal()
-    assert (
-        "neither scores clearly higher (by 0.05 and 1.25x at TTT step 0): "
-        "sglang reading [3, 5, 6]: step-0 accuracy 0.000, "
-        "vllm reading [2, 4, 5]: step-0 accuracy 0.000 (5 samples, 278 tokens). "
-        "Set EAGLE3_AUX_LAYER_IDS"
-    ) in message
+    assert "neither scores clearly better: the warm start predicts no better than chance" in message
+    assert "a uniform guess 5.5452)" in message  # ln(256), its draft vocab
+    assert "sglang reading [3, 5, 6]: step-0 loss " in message
+    assert "vllm reading [2, 4, 5]: step-0 loss " in message
+    assert "5 of 5 samples supervised, 278 tokens" in message
+    assert "Set EAGLE3_AUX_LAYER_IDS" in message
     assert any(m.startswith("layer probe: eagle_config ids [2, 4, 5] can be read") for m in logs)
     again, logs = refusal()  # a restart: the same scores, read back, not measured
     assert again == message

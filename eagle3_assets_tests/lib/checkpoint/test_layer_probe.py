@@ -1,7 +1,9 @@
-"""The layer probe's decisions: which nested lists are ambiguous, when a score is clearly
-higher, the refusal, and the pinned config every reader then agrees on."""
+"""The layer probe's decisions: which nested lists are ambiguous, when a reading scores
+clearly better, the refusal, and the pinned config every reader then agrees on."""
 
 import json
+import math
+import statistics
 
 import pytest
 
@@ -11,7 +13,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
     validate_drafter,
 )
 from eagle3_assets.lib.checkpoint.layer_probe import (
-    CLEARLY_HIGHER,
+    CLEARLY_BETTER,
     PIN_FIELD,
     LayerIdDecision,
     LayerIdsUnclear,
@@ -51,45 +53,79 @@ def test_ids_that_read_one_way_only_are_not_ambiguous():
     assert nested_readings(aux_layer_ids({}, 8), 8) is None  # vLLM's default
 
 
-def scores(sglang: float, vllm: float) -> ProbeScores:
+CHANCE = math.log(256)
+
+
+def scores(sglang: list[float], vllm: list[float]) -> ProbeScores:
+    """Scores whose step-0 losses per sample are `sglang` and `vllm`."""
     return ProbeScores(
         {Reading.SGLANG: (3, 5, 6), Reading.VLLM: (2, 4, 5)},
-        {Reading.SGLANG: [sglang, 0.1], Reading.VLLM: [vllm, 0.1]},
-        samples=5,
+        {Reading.SGLANG: [0.45, 0.1], Reading.VLLM: [0.44, 0.1]},
+        {Reading.SGLANG: sglang, Reading.VLLM: vllm},
+        CHANCE,
+        samples=len(sglang) + 1,
         tokens=400,
     )
 
 
-def test_the_clearly_higher_reading_wins_either_way():
-    assert choose_reading(scores(0.40, 0.15)) is Reading.SGLANG
-    assert choose_reading(scores(0.15, 0.40)) is Reading.VLLM
-    # exactly at both margins still decides
-    low = 0.2
-    high = max(low + CLEARLY_HIGHER.absolute, low * CLEARLY_HIGHER.ratio) + 1e-9
-    assert choose_reading(scores(high, low)) is Reading.SGLANG
+BASE = [4.0, 3.5, 4.2, 3.9, 4.4, 3.7, 4.1, 3.8]  # 8 samples, the fewest that may decide
+# gaps of mean 0.02, sample deviation 0.00756: t = 0.02 / (0.00756 / sqrt(8)) = 7.48
+GAPS = [0.01, 0.03, 0.02, 0.01, 0.03, 0.02, 0.02, 0.02]
+
+
+def shifted(values: list[float], by: list[float]) -> list[float]:
+    return [v + b for v, b in zip(values, by, strict=True)]
+
+
+def test_the_clearly_better_reading_wins_either_way():
+    assert choose_reading(scores(BASE, shifted(BASE, GAPS))) is Reading.SGLANG
+    assert choose_reading(scores(shifted(BASE, GAPS), BASE)) is Reading.VLLM
+    assert scores(BASE, shifted(BASE, GAPS)).paired_t(Reading.SGLANG, Reading.VLLM) == (
+        pytest.approx(0.02 / (statistics.stdev(GAPS) / math.sqrt(8)))
+    )
+
+
+def test_exactly_at_the_threshold_still_decides():
+    spread = statistics.stdev(GAPS)
+    mean = statistics.fmean(GAPS)
+    # the same gaps moved down until the mean is CLEARLY_BETTER.t standard errors
+    at = [g - mean + CLEARLY_BETTER.t * spread / math.sqrt(8) + 1e-12 for g in GAPS]
+    assert choose_reading(scores(BASE, shifted(BASE, at))) is Reading.SGLANG
+    below = [g - 2e-3 for g in at]  # t = 3.0 - 2e-3 / (spread / sqrt(8)) = 2.25
+    with pytest.raises(LayerIdsUnclear) as refused:
+        choose_reading(scores(BASE, shifted(BASE, below)))
+    assert "lower by 2.25 standard errors, not 3.0" in str(refused.value)
 
 
 @pytest.mark.parametrize(
-    ("sglang", "vllm"),
+    ("sglang", "vllm", "why"),
     [
-        (0.152, 0.159),  # the test world's trained drafters: within noise
-        (0.0, 0.0),  # untrained
-        (0.03, 0.0),  # a large ratio, a gap of a few tokens
-        (0.80, 0.70),  # a gap, but not 1.25x
+        # the miniature's drafters trained on the earlier reading: within noise
+        (BASE, shifted(BASE, [0.02, -0.03, 0.01, -0.01, 0.02, -0.02, 0.01, 0.0]), "0.00 standard"),
+        # a large, steady gap, but over 7 samples
+        (
+            BASE[:7],
+            shifted(BASE[:7], GAPS[:7]),
+            "7 probe samples supervise a position, fewer than 8",
+        ),
+        # untrained: a steady gap, both above a uniform guess's loss
+        ([CHANCE + 0.05] * 8, [CHANCE + 0.06] * 8, "predicts no better than chance either way"),
     ],
 )
-def test_neither_clearly_higher_is_refused_naming_both_scores(sglang, vllm):
+def test_neither_clearly_better_is_refused_naming_both_scores(sglang, vllm, why):
     with pytest.raises(LayerIdsUnclear) as refused:
         choose_reading(scores(sglang, vllm))
     message = str(refused.value)
-    assert f"sglang reading [3, 5, 6]: step-0 accuracy {sglang:.3f}" in message
-    assert f"vllm reading [2, 4, 5]: step-0 accuracy {vllm:.3f}" in message
+    assert why in message
+    s, v = statistics.fmean(sglang), statistics.fmean(vllm)
+    assert f"sglang reading [3, 5, 6]: step-0 loss {s:.4f}, accuracy 0.450" in message
+    assert f"vllm reading [2, 4, 5]: step-0 loss {v:.4f}, accuracy 0.440" in message
     assert "Set EAGLE3_AUX_LAYER_IDS" in message
 
 
 def test_scores_survive_their_cache_file():
-    again = ProbeScores.from_json(json.loads(json.dumps(scores(0.4, 0.1).to_json())))
-    assert again == scores(0.4, 0.1)
+    again = ProbeScores.from_json(json.loads(json.dumps(scores(BASE, BASE).to_json())))
+    assert again == scores(BASE, BASE)
 
 
 def test_union_of_the_readings_is_what_extraction_holds():
@@ -169,12 +205,16 @@ def test_cached_scores_decide_without_measuring_again(trap_drafter, tmp_path):
 
     def measure(readings):
         measured.append(readings)
-        return scores(0.45, 0.12)
+        return scores(BASE, shifted(BASE, GAPS))
 
     current = drafter_aux_layer_ids(trap_drafter, 8)
     first = settle_layer_ids(trap_drafter, current, TARGET, None, cache, measure, print)
     assert (first.reading, first.vllm) == (Reading.SGLANG, (3, 5, 6))
-    assert first.metadata()["layer_probe_sglang_accuracy"] == [0.45, 0.1]
+    meta = first.metadata()
+    assert meta["layer_probe_sglang_accuracy"] == [0.45, 0.1]
+    assert meta["layer_probe_sglang_step0_loss"] == round(statistics.fmean(BASE), 4)
+    assert meta["layer_probe_vllm_step0_loss"] == round(statistics.fmean(BASE) + 0.02, 4)
+    assert meta["layer_probe_paired_t"] == 7.48
     pinned = (trap_drafter / "config.json").read_bytes()
     # a restart: the download lays the published config down again, the cache decides
     config = json.loads(pinned)
