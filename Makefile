@@ -10,7 +10,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # the demo's miniature world: kimi (DeepSeek-V3 targets, the default) or llama
 WORLD ?= kimi
 
-.PHONY: setup system-packages test lint format demo ui stop world clean
+.PHONY: setup system-packages test lint format demo ui stop world clean bench-peers
 
 setup: $(VENV)/.installed $(SERVING_VENV)/.installed $(DAGSTER_HOME)/dagster.yaml
 
@@ -32,6 +32,16 @@ $(SERVING_VENV)/.installed: requirements/serving-cpu.txt $(wildcard $(CPU_PLUGIN
 	$(SERVING_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	$(SERVING_VENV)/bin/pip install $(PIP_QUIET) --no-deps --no-build-isolation ./$(CPU_PLUGIN)
 	$(SERVING_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
+	touch $@
+
+# The peers (SpecForge, speculators) for benchmarks/training_vs_peers.py only: --no-deps, since
+# their declared dependencies pull a CUDA torch, SGLang and vLLM; then what their code imports.
+PEERS_VENV := .venv-peers
+$(PEERS_VENV)/.installed: requirements/peers-bench.txt requirements/peers-bench-deps.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(PEERS_VENV)/bin/pip install $(PIP_QUIET) -r requirements/peers-bench-deps.txt
+	$(PEERS_VENV)/bin/pip install $(PIP_QUIET) --no-deps -r requirements/peers-bench.txt
 	touch $@
 
 $(DAGSTER_HOME)/dagster.yaml: dagster.yaml $(VENV)/.installed
@@ -70,8 +80,12 @@ ui: setup
 	@echo "Dagster UI on http://127.0.0.1:3000 (webserver + daemon; Ctrl-C stops both)"
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# One training step, ours against SpecForge's and speculators', at two shapes (docs/benchmarks.md)
+bench-peers: $(VENV)/.installed $(PEERS_VENV)/.installed
+	$(VENV)/bin/python benchmarks/training_vs_peers.py
+
 stop:
 	-$(VENV)/bin/python -m eagle3_assets.lib.serving.vllm_launcher stop --run-dir data/vllm
 
 clean: stop
-	rm -rf $(VENV) $(SERVING_VENV) $(DAGSTER_HOME) data
+	rm -rf $(VENV) $(SERVING_VENV) $(PEERS_VENV) $(DAGSTER_HOME) data
