@@ -72,9 +72,9 @@ class Clearly:
 # accuracy gap was 0.003; one trained on [1, 3, 6]'s SGLang reading, t = 6.09; untrained,
 # t = 2.13 with a loss above chance. Adjacent layers of the miniature are nearly collinear
 # (cosine 0.95-0.99): warm starts trained on the vLLM (earlier) reading score within noise
-# both ways (t -0.38 to 1.07), and the probe refuses them. A wrong choice costs a little
+# both ways (|t| <= 1.07), and the probe refuses them. A wrong choice costs a little
 # acceptance that finetuning wins back; a refusal stops the pipeline: 3 standard errors
-# (a chance pick of ~1% on a drafter indifferent to the reading) weighs the two.
+# (a chance pick under 1% of the time on a drafter indifferent to the reading) weighs the two.
 CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 
