@@ -126,7 +126,7 @@ def agreement(shape_name: str, ttt: int, seed: int, work: Path) -> dict:
     inputs = step_inputs(shape, seed)
     model, head, sample, recipe = our_parts(shape, inputs)
     batch = make_batch([sample], head, model.t2d, ttt)
-    loss, losses, _, counts = ttt_loss(model, batch, ttt, recipe.decay)
+    loss, losses, _, counts, _ = ttt_loss(model, batch, ttt, recipe.decay)
     loss.backward()
     weights, out = work / f"weights-{ttt}.safetensors", work / f"specforge-{ttt}.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)

@@ -183,7 +183,7 @@ def score_readings(
     ttt_length: int = PROBE_TTT_STEPS,
 ) -> ProbeScores:
     """The drafter on every sample of `hidden_dir` (shards holding the union of the
-    readings' layers), read each way, one sample a batch."""
+    readings' layers), read each way."""
     from eagle3_assets.lib.checkpoint.drafter_io import validate_drafter
     from eagle3_assets.lib.training.train_drafter import heldout_accuracy
 
@@ -194,7 +194,6 @@ def score_readings(
             [str(hidden_dir)],
             1.0,
             ttt_length,
-            batch_size=1,
             aux_layer_ids=ids,
         )
         for reading, ids in readings.items()
@@ -209,7 +208,7 @@ def score_readings(
     return ProbeScores(
         dict(readings),
         {reading: row["accuracy"] for reading, row in rows.items()},
-        {reading: row["batch_loss"] for reading, row in rows.items()},
+        {reading: row["sample_loss"] for reading, row in rows.items()},
         math.log(info.config.draft_vocab_size),
         first["samples"],
         first["tokens"],

@@ -230,7 +230,9 @@ class _TTTObjective(torch.nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
+    def forward(
+        self, batch: Batch
+    ) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
         return ttt_loss(self.drafter, batch, self.steps, self.decay)
 
 
@@ -290,7 +292,7 @@ def train(
             batch_samples = [next(samples) for _ in range(config.batch_size)]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length, columns)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                loss, losses, hits, counts = objective(batch)
+                loss, losses, hits, counts, _ = objective(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             losses = [float(loss.detach()), *losses]
@@ -361,9 +363,8 @@ def heldout_accuracy(
     the training-time view of a drafter (teacher-forced on the target's own states), not
     acceptance in a serving engine. `aux_layer_ids` (vLLM ids) reads the drafter at those
     layers instead of its config's. {"samples", "tokens", "accuracy": [...] (None: no
-    held-out sample), "batch_loss": [...]}: the step-0 loss of each batch that supervises a
-    position, in the reader's order (with batch_size 1, of each sample: the layer probe's
-    paired comparison of two readings on the same samples)."""
+    held-out sample), "sample_loss": [...]}: the step-0 loss of each sample that step 0
+    supervises, in the reader's order (the layer probe pairs two readings by sample)."""
     device = _device()
     head = TargetHead(target).to(device)
     reader = ShardReader(
@@ -377,20 +378,19 @@ def heldout_accuracy(
     columns = aux_columns(reader, aux_ids, drafter)
     model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
-    batch_loss = []
+    sample_loss: list[float] = []
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
     while chunk := list(itertools.islice(samples, batch_size)):
         batch = make_batch(chunk, head, model.t2d, ttt_length, columns)
-        _, losses, batch_hits, batch_counts = ttt_loss(model, batch, ttt_length, decay=1.0)
+        _, _, batch_hits, batch_counts, losses = ttt_loss(model, batch, ttt_length, decay=1.0)
         hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
         counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]
-        if batch_counts[0]:
-            batch_loss.append(losses[0])
+        sample_loss += losses
     return {
         "samples": len(reader),
         "tokens": counts[0],
         "accuracy": [h / c for h, c in zip(hits, counts, strict=True)] if counts[0] else None,
-        "batch_loss": batch_loss,
+        "sample_loss": sample_loss,
     }
 
 

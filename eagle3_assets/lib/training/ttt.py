@@ -157,13 +157,15 @@ def make_batch(
 
 def ttt_loss(
     model: Eagle3Drafter, batch: Batch, steps: int, decay: float
-) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
-    """(weighted loss, per-step loss, per-step hits, per-step supervised positions) for one
-    batch: hits and counts, not their ratio, so that ranks and batches add up exactly."""
+) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
+    """(weighted loss, per-step loss, per-step hits, per-step supervised positions, step-0
+    loss of each sample that step 0 supervises) for one batch: hits and counts, not their
+    ratio, so that ranks and batches add up exactly; the per-sample losses for comparisons
+    paired by sample (the layer probe)."""
     outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask)
     S = batch.aux.shape[1]
     total = torch.zeros((), device=batch.aux.device)
-    losses, hits, counts = [], [], []
+    losses, hits, counts, first_samples = [], [], [], []
     for k, pre in enumerate(outputs):
         target = batch.targets[:, 1 + k : 1 + k + S]
         mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
@@ -173,11 +175,13 @@ def ttt_loss(
         has = supervised > 0
         per_sample = (per_position * mask).sum(-1)[has] / supervised[has]
         step_loss = per_sample.mean() if len(per_sample) else per_position.sum() * 0.0
+        if k == 0:
+            first_samples = per_sample.detach().tolist()
         total = total + decay**k * step_loss
         losses.append(float(step_loss.detach()))
         hits.append(int(((log_probs.argmax(-1) == target.argmax(-1)) & mask).sum()))
         counts.append(int(mask.sum()))
-    return total, losses, hits, counts
+    return total, losses, hits, counts, first_samples
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
