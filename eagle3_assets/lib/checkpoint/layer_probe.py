@@ -184,7 +184,6 @@ def score_readings(
 ) -> ProbeScores:
     """The drafter on every sample of `hidden_dir` (shards holding the union of the
     readings' layers), read each way."""
-    from eagle3_assets.lib.checkpoint.drafter_io import validate_drafter
     from eagle3_assets.lib.training.train_drafter import heldout_accuracy
 
     rows = {
@@ -204,12 +203,11 @@ def score_readings(
             f"no supervised token among the {first['samples']} probe samples in {hidden_dir}: "
             f"nothing to score the readings on. Set {OVERRIDE_VARIABLE}"
         )
-    info = validate_drafter(drafter_dir, TargetShape.from_config(target_dir))
     return ProbeScores(
         dict(readings),
         {reading: row["accuracy"] for reading, row in rows.items()},
         {reading: row["sample_loss"] for reading, row in rows.items()},
-        math.log(info.config.draft_vocab_size),
+        math.log(first["draft_vocab_size"]),
         first["samples"],
         first["tokens"],
     )

@@ -363,8 +363,9 @@ def heldout_accuracy(
     the training-time view of a drafter (teacher-forced on the target's own states), not
     acceptance in a serving engine. `aux_layer_ids` (vLLM ids) reads the drafter at those
     layers instead of its config's. {"samples", "tokens", "accuracy": [...] (None: no
-    held-out sample), "sample_loss": [...]}: the step-0 loss of each sample that step 0
-    supervises, in the reader's order (the layer probe pairs two readings by sample)."""
+    held-out sample), "sample_loss": [...], "draft_vocab_size"}: the step-0 loss of each
+    sample that step 0 supervises, in the reader's order (the layer probe pairs two readings
+    by sample and weighs them against a uniform guess over the draft vocab)."""
     device = _device()
     head = TargetHead(target).to(device)
     reader = ShardReader(
@@ -391,6 +392,7 @@ def heldout_accuracy(
         "tokens": counts[0],
         "accuracy": [h / c for h, c in zip(hits, counts, strict=True)] if counts[0] else None,
         "sample_loss": sample_loss,
+        "draft_vocab_size": model.config.draft_vocab_size,
     }
 
 
