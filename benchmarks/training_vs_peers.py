@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drafter_training import cpu_name
 from step_inputs import SHAPES, StepShape, step_inputs, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,16 +205,8 @@ def tokens_per_s(value: float) -> str:
 
 
 def report(results: dict, rounds: int, agreed: list[dict]) -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
     lines = [
-        f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {THREADS} "
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {THREADS} "
         f"threads, fp32; {rounds} rounds, each trainer in a fresh process per round.",
         "",
         "### The maths: ours against SpecForge's step on the same weights (demo shape)",
