@@ -10,7 +10,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +30,6 @@ class StepShape:
     length: int
     ttt: int
     optimizer_step: bool  # False where three fp32 AdamW states would not fit in RAM
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # The Kimi demo world's drafter (make_untrained_drafter for kimi-demo: AQ-MedAI's layout).
