@@ -36,6 +36,16 @@ ASSUMED_TRAINING_MFU = 0.35  # drafter layer under bf16 autocast, DDP
 ASSUMED_INTERNODE_BYTES_S = 50e9  # per GPU: one 400 Gb/s NIC per GPU (HGX H200 + CX-7)
 LOAD_S = 22 * 60  # one Kimi load by vLLM (DESIGN.md), paid by serving and by extraction
 BATCH_PER_RANK = 4
+# streamed mode on one node: the extraction server (TP8) and 8 training ranks share the GPUs
+H200_BYTES = 141e9
+ASSUMED_KIMI_INT4_BYTES = 594e9  # the INT4 checkpoint on disk (Kimi-K2-Thinking's size)
+ASSUMED_SERVER_EXTRA_BYTES = 10e9  # per GPU: KV and activations of prefill-only requests
+TRAINING_STATE_BYTES = 16 * DRAFTER_PARAMS  # fp32 weights, gradients, two AdamW moments
+FROZEN_TARGET_BYTES = 2 * 2 * KIMI_VOCAB * KIMI_HIDDEN_SIZE  # embedding + lm_head, bf16
+MEASURED_STEP_PEAK_BYTES = 13.6e9  # a Kimi-shaped layer's step (docs/benchmarks.md)
+WINDOW_BYTES = 2**30  # EAGLE3_STREAM_WINDOW_MB's default
+SEQUENCE_BYTES_PER_TOKEN = 8 + 1  # the run's sequences file: int64 ids, bool mask
+EPOCHS = (1, 3)
 
 TOKENS = SAMPLES * SAMPLE_TOKENS
 RESPONSE_TOKENS = TOKENS * TEACHER_SHARE
@@ -102,6 +112,47 @@ def main() -> None:
             f"{gpus} ({nodes} node{'s' if nodes > 1 else ''}) | {hours(epoch_s)} | "
             f"{SAMPLES // (BATCH_PER_RANK * gpus):,} | {reads / 1e9:.1f} GB/s | "
             f"{writes / 1e9:.1f} GB/s | {hours(total_s)} |"
+        )
+    streamed(per_gpu_tok_s)
+
+
+def streamed(per_gpu_tok_s: float) -> None:
+    """Stored vs streamed on one 8-GPU node, from the load of the extraction server on (the
+    generations exist): time-shared GPUs, so a streamed epoch costs extraction + training."""
+    server = ASSUMED_KIMI_INT4_BYTES / 8 + ASSUMED_SERVER_EXTRA_BYTES
+    rank = TRAINING_STATE_BYTES + FROZEN_TARGET_BYTES + MEASURED_STEP_PEAK_BYTES
+    print(
+        f"\nGPU memory per H200 in streamed mode: extraction server {server / 1e9:.0f} GB "
+        f"(--gpu-memory-utilization {server / H200_BYTES:.2f}), training rank "
+        f"{rank / 1e9:.0f} GB, free {(H200_BYTES - server - rank) / 1e9:.0f} GB\n"
+    )
+    print(
+        "| samples | mode | hidden states on disk | extraction | training per epoch | "
+        + " | ".join(f"{e} epoch{'s' if e > 1 else ''}" for e in EPOCHS)
+        + " |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in EPOCHS) + " |")
+    for samples in (SAMPLES, 10 * SAMPLES):
+        tokens = samples * SAMPLE_TOKENS
+        extraction_s = (
+            2 * KIMI_ACTIVE_PARAMS * tokens / (8 * H200_BF16_FLOPS * ASSUMED_EXTRACTION_MFU)
+        )
+        epoch_s = tokens / (8 * per_gpu_tok_s)
+        stored_bytes = bytes_per_token(DEFAULT_FORMAT) * tokens
+        fits = "fits" if stored_bytes <= VOLUME_BYTES else "does not fit"
+        stored = [LOAD_S + extraction_s + e * epoch_s for e in EPOCHS]
+        flowing = [LOAD_S + e * (extraction_s + epoch_s) for e in EPOCHS]
+        sequences = SEQUENCE_BYTES_PER_TOKEN * tokens
+        print(
+            f"| {samples:,} | stored | {stored_bytes / 1e12:.2f} TB ({fits} 2.9 TB) | "
+            f"{hours(extraction_s)} once | {hours(epoch_s)} | "
+            + " | ".join(hours(t) for t in stored)
+            + " |"
+        )
+        print(
+            f"| {samples:,} | streamed | {WINDOW_BYTES / 1e9:.2f} GB window + "
+            f"{sequences / 1e9:.1f} GB of token ids | {hours(extraction_s)} every epoch | "
+            f"{hours(epoch_s)} | " + " | ".join(hours(t) for t in flowing) + " |"
         )
 
 

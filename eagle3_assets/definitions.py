@@ -52,13 +52,15 @@ def resources_from_env(environ: Mapping[str, str] | None = None) -> dict[str, ob
 @dg.definitions
 def defs() -> dg.Definitions:
     automation = Automation.from_env()
+    resources = resources_from_env()
+    streamed = resources["hidden"].mode == "streamed"
     return dg.Definitions.merge(
         dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
         dg.Definitions(
-            sensors=[drafter_automation(running=automation.drafter_automation)],
+            sensors=[drafter_automation(automation.drafter_automation, streamed)],
             schedules=[batch_backfill_schedule(automation.backfill_cron)],
             # Independent steps (the drafter download, a generation batch) run side by side.
             executor=dg.multiprocess_executor.configured({"max_concurrent": 4}),
-            resources=resources_from_env(),
+            resources=resources,
         ),
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 from dagster_pipes import PipesContext, open_dagster_pipes
 
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
+from eagle3_assets.lib.hidden_states.streaming import ProducerFailed
 from eagle3_assets.lib.training.train_drafter import (
     Interrupted,
     RunConfig,
@@ -24,10 +25,19 @@ def _train(config: RunConfig, pipes: PipesContext | None) -> int:
     def report(metrics: dict) -> None:
         if pipes is not None:
             accuracy = ", ".join(f"{a:.3f}" for a in metrics["accuracy"])
+            streamed = ""
+            if "spool_bytes" in metrics:
+                streamed = (
+                    f"; spool {metrics['spool_bytes'] / 2**20:.1f} of "
+                    f"{metrics['spool_window_bytes'] / 2**20:.1f} MB, producer "
+                    f"{metrics['producer_tokens_per_s']:,.0f} tokens/s, waited: trainer "
+                    f"{metrics['trainer_waited_s']:.1f} s, producer "
+                    f"{metrics['producer_waited_s']:.1f} s"
+                )
             pipes.log.info(
                 f"step {metrics['step']}/{config.steps}: loss {metrics['loss']:.4f}, "
                 f"accuracy by TTT position [{accuracy}], lr {metrics['lr']:.2e}, "
-                f"{metrics['tokens_per_s']:,.0f} tokens/s"
+                f"{metrics['tokens_per_s']:,.0f} tokens/s{streamed}"
             )
 
     try:
@@ -36,6 +46,10 @@ def _train(config: RunConfig, pipes: PipesContext | None) -> int:
         if pipes is not None:
             pipes.log.warning(f"{stopped}; materialize again to resume")
         return 130
+    except ProducerFailed as failed:  # streamed: the run log says why, not only stderr
+        if pipes is not None:
+            pipes.log.error(str(failed))
+        return 1
     if pipes is not None:
         pipes.report_asset_materialization(metadata=typed_metadata(config, result))
     return 0

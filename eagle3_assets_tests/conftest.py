@@ -77,6 +77,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def vllm_extraction(serving_python: Path) -> dict:
+    """HiddenStatesSettings fields for a real fp32 vLLM extraction server of a test target,
+    on a free port, eager (no compile: a minute less to start)."""
+    return {
+        "dtype": "float32",
+        "device": "cpu",
+        "max_length": 511,
+        "serving_python": str(serving_python),
+        "vllm_port": free_port(),
+        "vllm_load_timeout_s": 600,
+        "vllm_args": ["--enforce-eager"],
+    }
+
+
 @pytest.fixture(scope="session")
 def vllm_target(test_world, serving_python, tmp_path_factory) -> VLLMLaunchSpec:
     """ONE real vLLM server for the session, serving test-size target-v2 (a start costs ~1 min)."""

@@ -1,3 +1,5 @@
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +66,44 @@ def test_dg_check_defs_passes(dagster_home):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All definitions loaded successfully" in result.stdout + result.stderr
+
+
+GRAPH_IN_A_FRESH_PROCESS = """
+import json
+import dagster as dg
+from eagle3_assets.definitions import defs
+definitions = defs()
+graph = definitions.resolve_asset_graph()
+drafter = graph.get(dg.AssetKey("eagle3_drafter"))
+automation = definitions.resolve_sensor_def("drafter_automation")
+print(json.dumps({
+    "parents": sorted(k.to_user_string() for k in drafter.parent_keys),
+    "automated": sorted(k.to_user_string() for k in automation.asset_selection.resolve(graph)),
+    "description": drafter.description,
+}))
+"""
+
+
+def test_streamed_mode_makes_the_drafter_depend_on_the_generations(tmp_path):
+    """The mode is read when the code location loads (a fresh process, as Dagster loads it):
+    streamed, the drafter reads the generations and automation never stores hidden states;
+    a bad value fails the load naming the variable."""
+
+    def load(mode: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "EAGLE3_HIDDEN_STATES_MODE": mode, "DAGSTER_HOME": str(tmp_path)}
+        command = [sys.executable, "-c", GRAPH_IN_A_FRESH_PROCESS]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+
+    streamed = json.loads(load("streamed").stdout)
+    assert streamed["parents"] == ["drafter_checkpoint", "synthetic_generations"]
+    assert streamed["automated"] == ["drafter_evaluation", "eagle3_drafter"]
+    assert streamed["description"].endswith(
+        "Hidden states streamed: extracted from every batch of generations while it trains, "
+        "at most EAGLE3_STREAM_WINDOW_MB on disk."
+    )
+    stored = json.loads(load("stored").stdout)
+    assert stored["parents"] == ["drafter_checkpoint", "hidden_states"]
+    assert stored["automated"] == ["drafter_evaluation", "eagle3_drafter", "hidden_states"]
+    bad = load("lazy")
+    assert bad.returncode != 0
+    assert "EAGLE3_HIDDEN_STATES_MODE: expected 'stored' or 'streamed', found 'lazy'" in bad.stderr

@@ -182,7 +182,7 @@ def _measure(
         max_tokens=drafter_hub.probe_max_tokens,
         work_dir=probe_dir,
     )
-    settings = hidden.settings()
+    settings = hidden.extraction()
     return measure_readings(
         samples,
         drafter_dir,

@@ -62,9 +62,8 @@ def drafter_evaluation(
         speedup,
         verdict,
     )
-    from eagle3_assets.lib.hidden_states.extract import read_manifest
     from eagle3_assets.lib.serving.vllm_launcher import serve_line
-    from eagle3_assets.lib.training.train_drafter import RunConfig
+    from eagle3_assets.lib.training.train_drafter import RunConfig, trained_aux_layers
 
     finetuned = _finetuned_export(context)
     warm_start = export_for_vllm(
@@ -93,7 +92,7 @@ def drafter_evaluation(
     by = {(m.contender, m.prompt_set): m for m in measurements}
     before, after = by[(WARM_START, HELD_OUT)], by[(FINETUNED, HELD_OUT)]
     run = RunConfig.from_json(finetuned.parent / "run.json")
-    trained_layers = tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
+    trained_layers = trained_aux_layers(run)
     offline = _offline_accuracy(run, finetuned, warm_start, context)
     problem = verdict(before, after, trained_layers, evaluation.min_acceptance_rate)
     return dg.MaterializeResult(
@@ -159,6 +158,11 @@ def _offline_accuracy(
     held out, labelled as what it is."""
     from eagle3_assets.lib.training.train_drafter import LayerMismatch, heldout_accuracy
 
+    if run.stream is not None:
+        return (
+            "No training-time accuracy: the hidden states were streamed, so none are stored "
+            "to score on; the acceptance measured in vLLM is the measure."
+        )
     try:
         rows = {
             name: heldout_accuracy(

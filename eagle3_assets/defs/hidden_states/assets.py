@@ -17,6 +17,7 @@ from eagle3_assets.resources import Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
     from eagle3_assets.lib.hidden_states.extract import BatchVerification
+    from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 COMPLETE = "manifest_complete"
 FINITE = "values_finite"
@@ -60,36 +61,15 @@ def hidden_states(
     """The batch's sequences exactly as the target saw them, with the aux states at the
     drafter's layers and the final state where the drafter is trained, in compact shards. A
     re-run keeps every finished shard; a batch that cannot fit fails before any forward."""
-    import pyarrow.parquet as pq
-
-    from eagle3_assets.lib.generation.store import FINAL_NAME
     from eagle3_assets.lib.hidden_states.backends import drafter_layers, open_backend
     from eagle3_assets.lib.hidden_states.extract import extract_batch, human_bytes, verify_batch
     from eagle3_assets.lib.hidden_states.shard_format import KIMI_AUX_LAYERS, KIMI_HIDDEN_SIZE
-    from eagle3_assets.lib.hidden_states.token_sequences import (
-        TemplateMismatchError,
-        build_sequences,
-    )
 
     key = context.partition_key
-    settings = hidden.settings()  # a bad setting fails here, before any reading
-    generations = storage.path("generations", key, FINAL_NAME)
-    if not generations.exists():
-        raise dg.Failure(f"{key}: no {generations}; materialize synthetic_generations[{key}] first")
+    settings = hidden.extraction()  # a bad setting fails here, before any reading
     _refuse_failed_generations(context.instance, key)
-    rows = pq.read_table(generations).to_pylist()
-    tokenizer = target.tokenizer()
+    rows, sequences = batch_sequences(key, target, generation, hidden, storage)
     template_kwargs = generation.config().chat_template_kwargs or {}
-    try:
-        sequences = build_sequences(rows, tokenizer, template_kwargs, hidden.max_length)
-    except TemplateMismatchError as mismatch:
-        raise dg.Failure(
-            f"{key}: {mismatch}\nFix: EAGLE3_CHAT_TEMPLATE_KWARGS must be the kwargs this "
-            f"batch was generated with (re-materialize synthetic_generations[{key}] after "
-            f"changing them), and EAGLE3_TARGET_PATH ({target.path}) must hold the tokenizer "
-            "and chat template the generation's vLLM served (no --chat-template override).",
-            metadata={"mismatched_prompts": len(mismatch.mismatches), "prompts": mismatch.total},
-        ) from None
     shape = target.shape()
     try:
         layers = drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
@@ -152,6 +132,41 @@ def hidden_states(
         },
         check_results=_checks(verification, hidden),
     )
+
+
+def batch_sequences(
+    key: str,
+    target: TargetModel,
+    generation: GenerationRecipe,
+    hidden: HiddenStatesRecipe,
+    storage: Storage,
+) -> tuple[list[dict], list["TokenSequence"]]:
+    """A batch's generation rows and its token sequences exactly as the target saw them: what
+    extraction stores and a streamed run extracts. A prompt the local template renders other
+    than the server did is a Failure naming both renderings and what to fix."""
+    import pyarrow.parquet as pq
+
+    from eagle3_assets.lib.generation.store import FINAL_NAME
+    from eagle3_assets.lib.hidden_states.token_sequences import (
+        TemplateMismatchError,
+        build_sequences,
+    )
+
+    generations = storage.path("generations", key, FINAL_NAME)
+    if not generations.exists():
+        raise dg.Failure(f"{key}: no {generations}; materialize synthetic_generations[{key}] first")
+    rows = pq.read_table(generations).to_pylist()
+    template_kwargs = generation.config().chat_template_kwargs or {}
+    try:
+        return rows, build_sequences(rows, target.tokenizer(), template_kwargs, hidden.max_length)
+    except TemplateMismatchError as mismatch:
+        raise dg.Failure(
+            f"{key}: {mismatch}\nFix: EAGLE3_CHAT_TEMPLATE_KWARGS must be the kwargs this "
+            f"batch was generated with (re-materialize synthetic_generations[{key}] after "
+            f"changing them), and EAGLE3_TARGET_PATH ({target.path}) must hold the tokenizer "
+            "and chat template the generation's vLLM served (no --chat-template override).",
+            metadata={"mismatched_prompts": len(mismatch.mismatches), "prompts": mismatch.total},
+        ) from None
 
 
 def _refuse_failed_generations(instance: dg.DagsterInstance, key: str) -> None:

@@ -6,11 +6,15 @@ every GPU these steps have nowhere to run until serving stops."""
 import dagster as dg
 
 
-def drafter_automation(running: bool) -> dg.AutomationConditionSensorDefinition:
-    """The sensor, running from the start when the deployment says so (EAGLE3_AUTOMATION)."""
+def drafter_automation(
+    running: bool, streamed: bool = False
+) -> dg.AutomationConditionSensorDefinition:
+    """The sensor, running from the start when the deployment says so (EAGLE3_AUTOMATION).
+    With streamed hidden states it never requests hidden_states: nothing is stored."""
+    steps = ("eagle3_drafter", "drafter_evaluation")
     return dg.AutomationConditionSensorDefinition(
         "drafter_automation",
-        target=dg.AssetSelection.assets("hidden_states", "eagle3_drafter", "drafter_evaluation"),
+        target=dg.AssetSelection.assets(*steps if streamed else ("hidden_states", *steps)),
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.RUNNING
         if running

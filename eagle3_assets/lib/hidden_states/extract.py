@@ -55,7 +55,7 @@ class StateSource(Protocol):
 @dataclass(frozen=True)
 class ExtractionSettings:
     format: ShardFormat = field(default_factory=ShardFormat)
-    shard_bytes: int = DEFAULTS.shard_mb << 20
+    shard_bytes: int = int(DEFAULTS.shard_mb * 2**20)
     batch_tokens: int = DEFAULTS.batch_tokens  # per forward, padding included
     cap_bytes: int | None = None  # on everything under the hidden-states root
     max_length: int = DEFAULTS.max_length  # what the sequences were cut to (for the manifest)
@@ -324,6 +324,16 @@ def _verified_shards(
     return done
 
 
+def encode_states(
+    sequence: TokenSequence, states: torch.Tensor, source: StateSource, fmt: ShardFormat
+) -> dict[str, torch.Tensor]:
+    """One captured sequence's tensors as a shard stores them (stored and streamed alike): the
+    aux states everywhere, the final state (or the target's top-k) at the teacher positions."""
+    final = states[torch.from_numpy(sequence.teacher_positions), -1]
+    teacher = source.top_logits(final, fmt.topk) if fmt.topk is not None else final
+    return encode_sample(sequence.input_ids, sequence.loss_mask, states[:, :-1], teacher, fmt)
+
+
 def _extract_shard(
     plan: ShardPlan,
     sequences: Sequence[TokenSequence],
@@ -336,13 +346,8 @@ def _extract_shard(
     encoded: list[dict[str, torch.Tensor] | None] = [None] * len(members)
     nonfinite = 0
     for index, states in source.capture(members, settings.batch_tokens):
-        sequence = members[index]
         nonfinite += int((~torch.isfinite(states)).sum())
-        final = states[torch.from_numpy(sequence.teacher_positions), -1]
-        teacher = source.top_logits(final, fmt.topk) if fmt.topk is not None else final
-        encoded[index] = encode_sample(
-            sequence.input_ids, sequence.loss_mask, states[:, :-1], teacher, fmt
-        )
+        encoded[index] = encode_states(members[index], states, source, fmt)
     payload = shard_bytes(encoded, [s.sample_id for s in members], fmt)
     sha256 = write_atomically(out_dir / plan.name, payload)
     return {

@@ -67,19 +67,10 @@ class ShardReader:
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's (shard, sample) indices for `epoch`, in reading order."""
-        shards = list(range(len(self.shards)))
-        random.Random(f"{self.seed}:{epoch}").shuffle(shards)
-        stream = [(s, i) for s in shards for i in self.shards[s][1]]
-        mine = stream[self.rank : len(self) * self.world_size : self.world_size]
-        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}")
-        buffer: list[tuple[int, int]] = []
-        shuffled = []
-        for item in mine:
-            buffer.append(item)
-            if len(buffer) >= self.shuffle_buffer:
-                shuffled.append(buffer.pop(rng.randrange(len(buffer))))
-        rng.shuffle(buffer)
-        return shuffled + buffer
+        chosen = [indices for _, indices in self.shards]
+        return epoch_order(
+            chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
+        )
 
     def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
         """This rank's samples of `epoch`, from its `start`-th on."""
@@ -104,6 +95,33 @@ class ShardReader:
             if len(self._files) > self.open_files:
                 self._files.popitem(last=False)
         return self._files[path]
+
+
+def epoch_order(
+    shards: Sequence[Sequence[int]],
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    shuffle_buffer: int,
+) -> list[tuple[int, int]]:
+    """Rank `rank`'s (shard, sample) pairs of `epoch`, given each shard's selected sample
+    indices: the one definition of the order, shared by stored shards and streamed runs (which
+    plan the shards extraction would write), so both train on the same samples in the same order."""
+    order = list(range(len(shards)))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    stream = [(s, i) for s in order for i in shards[s]]
+    per_rank = len(stream) // world_size
+    mine = stream[rank : per_rank * world_size : world_size]
+    rng = random.Random(f"{seed}:{epoch}:{rank}")
+    buffer: list[tuple[int, int]] = []
+    shuffled = []
+    for item in mine:
+        buffer.append(item)
+        if len(buffer) >= shuffle_buffer:
+            shuffled.append(buffer.pop(rng.randrange(len(buffer))))
+    rng.shuffle(buffer)
+    return shuffled + buffer
 
 
 def held_out(sample_id: str, fraction: float) -> bool:

@@ -13,6 +13,10 @@ export out; resumable, interruptible, data-parallel.
   CPU, NCCL on GPUs); rank 0 reports and writes. One rank runs the drafter unwrapped.
 - A stable `holdout_fraction` of the samples (by id) is never trained on: `heldout_accuracy`
   measures any drafter on it, the offline view for users without a free serving GPU.
+- The samples come from stored shards or, with `stream`, from a producer extracting them
+  while the run trains (lib/hidden_states/streaming.py): the same order either way.
+- Each rank appends what every step consumed to `consumed/rank-K.jsonl`; a resume cuts it
+  back to the checkpoint, so the record says exactly which samples made the weights.
 """
 
 from __future__ import annotations
@@ -40,7 +44,15 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
 from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.core.layer_ids import fc_order
 from eagle3_assets.lib.core.target import TargetShape, target_config
+from eagle3_assets.lib.hidden_states.extract import read_manifest
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
+from eagle3_assets.lib.hidden_states.streaming import (
+    Producer,
+    ProducerRun,
+    StreamedSamples,
+    StreamSpec,
+    read_status,
+)
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
 from eagle3_assets.lib.training.settings import DEFAULTS
 from eagle3_assets.lib.training.ttt import (
@@ -84,6 +96,7 @@ class RunConfig:
     rederive_vocab: bool = False  # replace the warm start's d2t/t2d (lm_head rows remapped)
     draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
     holdout_fraction: float = DEFAULTS.holdout_fraction  # kept out for heldout_accuracy
+    stream: dict | None = None  # a StreamSpec: states streamed, not read from batch_dirs
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -115,8 +128,24 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def _reader(config: RunConfig, rank: int, world: int) -> ShardReader | StreamedSamples:
+    """This rank's training samples, stored or streamed, held-out ones left out by id."""
+    select = lambda sample_id: not held_out(sample_id, config.holdout_fraction)  # noqa: E731
+    if config.stream is not None:
+        spec = StreamSpec(**config.stream)
+        return StreamedSamples(spec, config.seed, rank, world, config.shuffle_buffer, select=select)
+    return ShardReader(
+        [Path(d) for d in config.batch_dirs],
+        seed=config.seed,
+        rank=rank,
+        world_size=world,
+        shuffle_buffer=config.shuffle_buffer,
+        select=select,
+    )
+
+
 def _drafter(
-    config: RunConfig, head: TargetHead, reader: ShardReader
+    config: RunConfig, head: TargetHead, reader: ShardReader | StreamedSamples
 ) -> tuple[Eagle3Drafter, tuple[int, ...]]:
     """The model to train and its aux ids: the warm start (its d2t/t2d kept unless the run
     re-derives them, lm_head rows following their tokens), or, without one, a fresh drafter
@@ -180,6 +209,13 @@ def aux_columns(reader: ShardReader, aux_ids: Sequence[int], drafter: object) ->
     return [held.index(i) for i in aux_ids]
 
 
+def trained_aux_layers(run: RunConfig) -> tuple[int, ...]:
+    """The aux layers (vLLM ids, fc order) a run trained on, stored or streamed."""
+    if run.stream is not None:
+        return tuple(run.stream["layers"]["aux"])
+    return tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
+
+
 def _device() -> torch.device:
     """This rank's GPU under torchrun (LOCAL_RANK), else the CPU."""
     if not torch.cuda.is_available():
@@ -189,13 +225,90 @@ def _device() -> torch.device:
     return device
 
 
-def _samples(reader: ShardReader, progress: Progress) -> Iterator:
-    """Endless samples from the progress's (epoch, position) on, advancing it."""
+def _samples(reader: ShardReader | StreamedSamples, progress: Progress) -> Iterator:
+    """Endless (epoch, sample) from the progress's (epoch, position) on, advancing it."""
     while True:
         for sample in reader.samples(progress.epoch, progress.position):
             progress.position += 1
-            yield sample
+            yield progress.epoch, sample
         progress.epoch, progress.position = progress.epoch + 1, 0
+
+
+class ConsumptionRecord:
+    """One JSON line per step: the (epoch, sample id) pairs this rank trained on. Lines past
+    the checkpoint a run resumes from are cut (their updates died with the run), so the record
+    holds each sample of an epoch exactly once however often the run was killed."""
+
+    def __init__(self, out_dir: Path, rank: int, resumed_step: int) -> None:
+        self.path = out_dir / "consumed" / f"rank-{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a killed run
+                    break
+                if entry["step"] > resumed_step:
+                    break
+                kept.append(line + "\n")
+        write_atomically(self.path, "".join(kept).encode())
+        self.file = self.path.open("a")
+
+    def append(self, step: int, consumed: list[tuple[int, str]]) -> None:
+        self.file.write(json.dumps({"step": step, "samples": consumed}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _start_producer(
+    config: RunConfig, progress: Progress, rank: int, world: int, out_dir: Path
+) -> Producer | None:
+    """Rank 0 starts the streamed run's producer at every rank's position (from the
+    checkpoint), on a spool cleaned of a dead run's files; no rank reads before that."""
+    if config.stream is None or progress.step >= config.steps:
+        return None
+    start = [progress.epoch, progress.position]
+    if world > 1:
+        starts: list = [None] * world
+        dist.all_gather_object(starts, start)
+    else:
+        starts = [start]
+    producer = None
+    if rank == 0:
+        run = ProducerRun(
+            spec=config.stream,
+            seed=config.seed,
+            world_size=world,
+            shuffle_buffer=config.shuffle_buffer,
+            holdout_fraction=config.holdout_fraction,
+            batch_size=config.batch_size,
+            steps=config.steps - progress.step,
+            starts=starts,
+        )
+        producer = Producer(run, out_dir / "producer-run.json")
+    if world > 1:
+        dist.barrier()
+    return producer
+
+
+def _stream_metrics(config: RunConfig, reader: ShardReader | StreamedSamples) -> dict:
+    """The streamed run's side of a step: the producer's status and this rank's waits."""
+    if config.stream is None:
+        return {}
+    status = read_status(StreamSpec(**config.stream))
+    seconds = status.get("seconds") or 0.0
+    return {
+        "trainer_waited_s": reader.waited_s,
+        "producer_waited_s": status.get("waited_s", 0.0),
+        "producer_tokens": status.get("tokens", 0),
+        "producer_tokens_per_s": status.get("tokens", 0) / seconds if seconds else 0.0,
+        "spool_peak_bytes": status.get("peak_bytes", 0),
+        "spool_window_bytes": status.get("window_bytes", 0),
+        "spool_bytes": reader.spool.bytes(),
+    }
 
 
 class _StopFlag:
@@ -258,14 +371,7 @@ def train(
     device = _device()
     torch.manual_seed(config.seed)
     head = TargetHead(Path(config.target)).to(device)
-    reader = ShardReader(
-        [Path(d) for d in config.batch_dirs],
-        seed=config.seed,
-        rank=rank,
-        world_size=world,
-        shuffle_buffer=config.shuffle_buffer,
-        select=lambda sample_id: not held_out(sample_id, config.holdout_fraction),
-    )
+    reader = _reader(config, rank, world)
     model, aux_ids = _drafter(config, head, reader)
     columns = aux_columns(reader, aux_ids, config.warm_start or "scratch")
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
@@ -283,13 +389,16 @@ def train(
     )
     out_dir = Path(config.out_dir)
     progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
+    record = ConsumptionRecord(out_dir, rank, progress.step)
     samples = _samples(reader, progress)
     objective = _objective(model, config, world)
     stop = _StopFlag()
+    producer = _start_producer(config, progress, rank, world, out_dir)
     started = time.monotonic()
     try:
         while progress.step < config.steps:
-            batch_samples = [next(samples) for _ in range(config.batch_size)]
+            consumed = [next(samples) for _ in range(config.batch_size)]
+            batch_samples = [sample for _, sample in consumed]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length, columns)
             with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
                 loss, losses, hits, counts, _ = objective(batch)
@@ -312,6 +421,7 @@ def train(
             schedule.step()
             progress.step += 1
             progress.tokens += tokens
+            record.append(progress.step, [(epoch, s.sample_id) for epoch, s in consumed])
             metrics = {
                 "step": progress.step,
                 "loss": loss_value,
@@ -321,6 +431,7 @@ def train(
                 "lr": schedule.get_last_lr()[0],
                 "tokens": progress.tokens,
                 "tokens_per_s": progress.tokens / (time.monotonic() - started),
+                **_stream_metrics(config, reader),
             }
             progress.history.append(metrics)
             if rank == 0:
@@ -334,6 +445,9 @@ def train(
                 )
     finally:
         stop.restore()
+        record.close()
+        if producer is not None:
+            producer.stop()
     last = _save(out_dir, rank, model, optimizer, schedule, progress)
     export = out_dir / "export"
     if rank == 0:
@@ -495,6 +609,25 @@ def training_metadata(config: RunConfig, result: TrainingResult) -> dict:
         "export": str(result.export),
         "lr": config.lr,
         "ttt_length": config.ttt_length,
+        **stream_summary(last),
+    }
+
+
+def stream_summary(metrics: dict) -> dict:
+    """A streamed run's totals from its last step: the spool's peak against its window, the
+    producer's rate, and the seconds each side waited on the other (the other side was the
+    bottleneck); empty for a stored run."""
+    if "spool_peak_bytes" not in metrics:
+        return {}
+    producer_waited, trainer_waited = metrics["producer_waited_s"], metrics["trainer_waited_s"]
+    return {
+        "spool_peak_bytes": metrics["spool_peak_bytes"],
+        "spool_window_bytes": metrics["spool_window_bytes"],
+        "producer_tokens": metrics["producer_tokens"],
+        "producer_tokens_per_s": round(metrics["producer_tokens_per_s"], 1),
+        "producer_waited_s": round(producer_waited, 1),
+        "trainer_waited_s": round(trainer_waited, 1),
+        "bottleneck": "producer" if trainer_waited > producer_waited else "trainer",
     }
 
 

@@ -4,6 +4,8 @@ held-out prompts, both readings' layers are extracted and scored, and an untrain
 which predicts no better than chance either way, is refused naming both scores. The scores
 are kept: a restart with the same revision and target measures nothing again."""
 
+import re
+
 import dagster as dg
 import pytest
 
@@ -45,7 +47,8 @@ def test_an_untrained_trap_drafter_is_refused_naming_both_scores(
     assert "a uniform guess 5.5452)" in message  # ln(256), its draft vocab
     assert "sglang reading [3, 5, 6]: step-0 loss " in message
     assert "vllm reading [2, 4, 5]: step-0 loss " in message
-    assert "5 of 5 samples supervised, 278 tokens" in message
+    # the token count follows the server's greedy answers (278-280 seen on 2-core machines)
+    assert re.search(r"; 5 of 5 samples supervised, \d+ tokens; chance loss 5\.5452\)", message)
     assert "Set EAGLE3_AUX_LAYER_IDS" in message
     assert any(m.startswith("layer probe: eagle_config ids [2, 4, 5] can be read") for m in logs)
     again, logs = refusal()  # a restart: the same scores, read back, not measured

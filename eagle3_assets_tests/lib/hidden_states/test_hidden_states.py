@@ -43,7 +43,7 @@ from eagle3_assets.lib.hidden_states.shard_format import (
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
 from eagle3_assets.lib.hidden_states.token_sequences import TemplateMismatchError, build_sequences
 from eagle3_assets.localdev.greedy import greedy_generation_rows
-from eagle3_assets_tests.conftest import free_port
+from eagle3_assets_tests.conftest import vllm_extraction
 from eagle3_assets_tests.templates import KWARGS, THINKING_TEMPLATE
 
 N_LAYERS = 8  # the test-size target
@@ -471,15 +471,7 @@ def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequ
     """One real extraction server (vLLM's extract_hidden_states + our CPU connector), opened
     from plain settings as the asset opens it: its states, converted into shards, equal the hf
     backend's, and the raw files are gone."""
-    recipe = HiddenStatesSettings(
-        dtype="float32",
-        device="cpu",
-        max_length=511,
-        serving_python=str(serving_python),
-        vllm_port=free_port(),
-        vllm_load_timeout_s=600,
-        vllm_args=["--enforce-eager"],
-    )
+    recipe = HiddenStatesSettings(**vllm_extraction(serving_python))
     layers = LayerSelection(aux=(5, 2, 4), final=N_LAYERS, source="test")  # unsorted on purpose
     settings = ExtractionSettings(ShardFormat("bf16", "bf16"), shard_bytes=20_000)
 

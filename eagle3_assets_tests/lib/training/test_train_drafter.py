@@ -143,8 +143,11 @@ def test_two_gloo_ranks_match_one_process(corpus, tmp_path):
     exported = load_file(tmp_path / "ranks" / "export" / "model.safetensors")
     expected = load_file(single.export / "model.safetensors")
     assert sorted(exported) == sorted(expected)
+    # gloo sums the gradients in another order than one process; AdamW's m / sqrt(v) turns
+    # that rounding into a visible move only where a gradient is near zero (1.2e-5 seen on
+    # an AMD EPYC, 1 element of 16,384; lr 1e-2)
     for name, tensor in expected.items():
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=5e-5, msg=name)
     assert not torch.equal(
         exported["fc.weight"], load_file(corpus["drafter"] / "model.safetensors")["fc.weight"]
     )
