@@ -129,3 +129,8 @@ def held_out(sample_id: str, fraction: float) -> bool:
     the split holds across runs, batches and ranks."""
     digest = hashlib.sha256(sample_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def trained_on(fraction: float) -> Callable[[str], bool]:
+    """`select` for the samples a training run reads: every one not held out."""
+    return lambda sample_id: not held_out(sample_id, fraction)

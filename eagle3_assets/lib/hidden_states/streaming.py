@@ -42,7 +42,7 @@ from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, encode_states, plan_shards
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile, shard_bytes
-from eagle3_assets.lib.hidden_states.shard_reader import epoch_order
+from eagle3_assets.lib.hidden_states.shard_reader import epoch_order, trained_on
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 FAILED = "FAILED"
@@ -306,13 +306,12 @@ def produce(run: ProducerRun, log: Callable[[str], None] = print) -> dict:
     """Extract and spool every sample the ranks will take, step by step; the status (rates,
     waits, peak spool bytes) is rewritten after each step for the trainer to report."""
     from eagle3_assets.lib.hidden_states.backends import open_backend
-    from eagle3_assets.lib.hidden_states.shard_reader import held_out
 
     spec = StreamSpec(**run.spec)
     settings = spec.extraction()
     extraction = settings.extraction()
     fmt = extraction.format
-    select = lambda sample_id: not held_out(sample_id, run.holdout_fraction)  # noqa: E731
+    select = trained_on(run.holdout_fraction)
     batches = read_sequences(Path(spec.sequences))  # once, shared by every rank's order
     readers = [
         StreamedSamples(

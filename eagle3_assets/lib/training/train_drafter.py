@@ -45,7 +45,7 @@ from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.core.layer_ids import fc_order
 from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.extract import read_manifest
-from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
+from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out, trained_on
 from eagle3_assets.lib.hidden_states.streaming import (
     Producer,
     ProducerRun,
@@ -130,7 +130,7 @@ def _rank() -> tuple[int, int]:
 
 def _reader(config: RunConfig, rank: int, world: int) -> ShardReader | StreamedSamples:
     """This rank's training samples, stored or streamed, held-out ones left out by id."""
-    select = lambda sample_id: not held_out(sample_id, config.holdout_fraction)  # noqa: E731
+    select = trained_on(config.holdout_fraction)
     if config.stream is not None:
         spec = StreamSpec(**config.stream)
         return StreamedSamples(spec, config.seed, rank, world, config.shuffle_buffer, select=select)
