@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, encode_states, plan_shards
@@ -65,9 +65,7 @@ def write_sequences(path: Path, batches: Mapping[str, Sequence[TokenSequence]]) 
         "truncated": [s.sample_id for s in sequences if s.truncated],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, staging, metadata={"sequences": json.dumps(header)})
-    os.replace(staging, path)
+    write_atomically(path, save(tensors, metadata={"sequences": json.dumps(header)}))
 
 
 def read_sequences(path: Path) -> dict[str, list[TokenSequence]]:
