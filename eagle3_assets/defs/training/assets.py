@@ -21,7 +21,6 @@ from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
 from eagle3_assets.lib.generation.store import FINAL_NAME
 from eagle3_assets.lib.hidden_states.batch_selection import BatchSelection, select_batches
-from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses
 from eagle3_assets.resources import Storage, TargetModel
@@ -72,11 +71,8 @@ def streamed_run(
         layers = drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
     except FileNotFoundError as missing:
         raise dg.Failure(str(missing)) from None
-    settings = HiddenStatesSettings(
-        **{f: getattr(hidden, f) for f in HiddenStatesSettings.model_fields}
-    )
     every = [s for batch in sequences.values() for s in batch]
-    if problem := window_error(settings, every, shape.hidden_size, len(layers.aux)):
+    if problem := window_error(hidden, every, shape.hidden_size, len(layers.aux)):
         raise dg.Failure(problem)
     digest = hashlib.sha256()
     for sequence in every:
@@ -86,7 +82,7 @@ def streamed_run(
     spec = StreamSpec(
         sequences=str(stream_dir / "sequences.safetensors"),
         spool="",  # in the run's own folder, set once the run is keyed
-        settings=settings.model_dump(),
+        settings=hidden.model_dump(),  # the recipe is a HiddenStatesSettings
         layers={"aux": list(layers.aux), "final": layers.final, "source": layers.source},
         hidden_size=shape.hidden_size,
         target=target.path,
