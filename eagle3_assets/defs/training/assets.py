@@ -19,23 +19,26 @@ from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES, batch_sequences
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
-from eagle3_assets.lib.generation.store import FINAL_NAME
 from eagle3_assets.lib.hidden_states.batch_selection import BatchSelection, select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses
 from eagle3_assets.resources import Storage, TargetModel
 
-# per mode: the asset whose every batch the drafter reads, its blocking checks, what to fix
-# when one fails, and the file that must be on the volume (under <data>/<folder>/<batch>/)
+# per mode: the asset whose every batch the drafter reads, its blocking checks, and what to
+# fix when one fails
 INPUTS = {
-    "stored": ("hidden_states", CHECKS, FIXES, ("hidden_states", "manifest.json")),
-    "streamed": (
-        "synthetic_generations",
-        (ONE_ROW_PER_PROMPT, RESPONSE_QUALITY),
-        {},
-        ("generations", FINAL_NAME),
-    ),
+    "stored": ("hidden_states", CHECKS, FIXES),
+    "streamed": ("synthetic_generations", (ONE_ROW_PER_PROMPT, RESPONSE_QUALITY), {}),
 }
+
+
+def batch_file(mode: str, storage: Storage, batch: str) -> Path:
+    """The file a batch of the mode's input must have on the volume."""
+    if mode == "stored":
+        return storage.path("hidden_states", batch, "manifest.json")
+    from eagle3_assets.lib.generation.store import FINAL_NAME  # pyarrow: imported where used
+
+    return storage.path("generations", batch, FINAL_NAME)
 
 
 def usable_batches(
@@ -43,10 +46,10 @@ def usable_batches(
 ) -> tuple[BatchSelection, list[str]]:
     """The batches of the mode's input whose latest checks passed and whose files are there,
     and a message for each left out."""
-    asset, checks, fixes, (folder, name) = INPUTS[mode]
+    asset, checks, fixes = INPUTS[mode]
     materialized = sorted(instance.get_materialized_partitions(dg.AssetKey(asset)))
     statuses = latest_check_statuses(instance, asset, checks, materialized)
-    on_disk = [b for b in materialized if storage.path(folder, b, name).exists()]
+    on_disk = [b for b in materialized if batch_file(mode, storage, b).exists()]
     selection = select_batches(statuses, on_disk)
     return selection, [e.message(asset, fixes) for e in selection.excluded]
 
