@@ -1,6 +1,6 @@
 """Hidden states: the target's states at the drafter's layers for each batch of generations."""
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -140,10 +140,12 @@ def batch_sequences(
     generation: GenerationRecipe,
     hidden: HiddenStatesRecipe,
     storage: Storage,
+    tokenizer: Any = None,
 ) -> tuple[list[dict], list["TokenSequence"]]:
     """A batch's generation rows and its token sequences exactly as the target saw them: what
-    extraction stores and a streamed run extracts. A prompt the local template renders other
-    than the server did is a Failure naming both renderings and what to fix."""
+    extraction stores and a streamed run extracts (`tokenizer`: the target's, loaded once for
+    many batches). A prompt the local template renders other than the server did is a Failure
+    naming both renderings and what to fix."""
     import pyarrow.parquet as pq
 
     from eagle3_assets.lib.generation.store import FINAL_NAME
@@ -158,7 +160,8 @@ def batch_sequences(
     rows = pq.read_table(generations).to_pylist()
     template_kwargs = generation.config().chat_template_kwargs or {}
     try:
-        return rows, build_sequences(rows, target.tokenizer(), template_kwargs, hidden.max_length)
+        tokenizer = tokenizer or target.tokenizer()
+        return rows, build_sequences(rows, tokenizer, template_kwargs, hidden.max_length)
     except TemplateMismatchError as mismatch:
         raise dg.Failure(
             f"{key}: {mismatch}\nFix: EAGLE3_CHAT_TEMPLATE_KWARGS must be the kwargs this "

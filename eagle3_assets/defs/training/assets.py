@@ -68,7 +68,10 @@ def streamed_run(
     from eagle3_assets.lib.hidden_states.backends import drafter_layers
     from eagle3_assets.lib.hidden_states.streaming import StreamSpec, window_error, write_sequences
 
-    sequences = {b: batch_sequences(b, target, generation, hidden, storage)[1] for b in batches}
+    tokenizer = target.tokenizer()  # once for every batch
+    sequences = {
+        b: batch_sequences(b, target, generation, hidden, storage, tokenizer)[1] for b in batches
+    }
     shape = target.shape()
     try:
         layers = drafter_layers(storage.path("drafter", "warm_start"), shape.num_hidden_layers)
