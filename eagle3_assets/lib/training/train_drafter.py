@@ -431,7 +431,7 @@ def train(
                 "lr": schedule.get_last_lr()[0],
                 "tokens": progress.tokens,
                 "tokens_per_s": progress.tokens / (time.monotonic() - started),
-                **_stream_metrics(config, reader),
+                **(_stream_metrics(config, reader) if rank == 0 else {}),  # rank 0 reports
             }
             progress.history.append(metrics)
             if rank == 0:
