@@ -67,14 +67,16 @@ class Clearly:
 # Why a paired test and not an accuracy margin: reading a real Kimi-K2.5 drafter one layer
 # off costs ~0.10 acceptance length (SGLang PR #25454), a step-0 accuracy gap of a few
 # hundredths, so the former rule (+0.05 and 1.25x) would refuse every good drafter. Measured
-# on the Kimi test world (target-v1's greedy answers to 48 prompts no drafter trained on):
-# a warm start trained on the SGLang reading of [2, 4, 5] scored t = 3.31 for it, where its
-# accuracy gap was 0.003; one trained on [1, 3, 6]'s SGLang reading, t = 6.09; untrained,
-# t = 2.13 with a loss above chance. Adjacent layers of the miniature are nearly collinear
-# (cosine 0.95-0.99): warm starts trained on the vLLM (earlier) reading score within noise
-# both ways (|t| <= 1.07), and the probe refuses them. A wrong choice costs a little
-# acceptance that finetuning wins back; a refusal stops the pipeline: 3 standard errors
-# (a chance pick under 1% of the time on a drafter indifferent to the reading) weighs the two.
+# on the Kimi test world (target-v1's greedy answers to 48 prompts no drafter trained on),
+# whose bytes differ by CPU: a warm start trained on the SGLang reading of [2, 4, 5] scored
+# t = 0.48 to 3.31 for it over four builds, with accuracy gaps of a few thousandths; one
+# trained on [1, 3, 6]'s SGLang reading, t = 6.09; untrained, t = 2.13 with a loss above
+# chance. Adjacent layers of the miniature are nearly collinear (cosine 0.95-0.99) and later
+# ones carry more: warm starts trained on the vLLM (earlier) reading score within noise both
+# ways (|t| <= 1.07; -2.44, the later reading ahead, on a world trained twice as long), and
+# the probe refuses them. A wrong choice costs a little acceptance that finetuning wins back;
+# a refusal stops the pipeline: 3 standard errors (a chance pick under 1% of the time on a
+# drafter indifferent to the reading) weighs the two.
 CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 

@@ -3,11 +3,13 @@ nested ids are vLLM's default for target-v1's 8 layers ([2, 4, 5], AQ-MedAI's tr
 trained on each reading, scored on target-v1's greedy answers to 48 prompts neither was
 trained on, their states extracted (hf) at both readings' layers, as the probe does.
 
-What it shows (measured, not wished): the warm start trained on the SGLang reading [3, 5, 6]
-is told apart and pinned to it, by its step-0 loss per sample (paired t 3.31) where its
-accuracy differs by 0.003 both ways; the one trained on the vLLM reading [2, 4, 5] scores
-within noise both ways (t 0.38 its way: the miniature's adjacent layers are nearly collinear)
-and is refused, naming both scores, instead of being guessed."""
+What holds on every build of the world measured (the world's bytes differ by CPU: AVX-512 or
+AVX2 kernels, Intel or AMD), and so what is asserted: the warm start trained on the SGLang
+reading [3, 5, 6] scores lower read that way (paired t 0.48 to 3.31 over four builds), and is
+pinned to it when that is clear (t >= 3) or refused, never pinned to the other; the one
+trained on the vLLM reading [2, 4, 5] scores within noise both ways (|t| <= 1.07: the
+miniature's adjacent layers are nearly collinear, and later layers carry more) and is
+refused, naming both scores, instead of being guessed."""
 
 import json
 import shutil
@@ -16,6 +18,7 @@ import pytest
 
 from eagle3_assets.lib.checkpoint.drafter_io import drafter_aux_layer_ids
 from eagle3_assets.lib.checkpoint.layer_probe import (
+    CLEARLY_BETTER,
     PIN_FIELD,
     LayerIdsUnclear,
     score_readings,
@@ -72,17 +75,29 @@ def probe(kimi_world, probe_states, trained_on: Reading, tmp_path, logs: list[st
     return drafter, decision
 
 
-def test_the_warm_start_trained_on_the_sglang_reading_is_pinned_to_it(
+def test_the_warm_start_trained_on_the_sglang_reading_scores_lower_so_and_is_never_misread(
     kimi_world, probe_states, tmp_path
 ):
+    drafter = train_world_drafter(kimi_world, 256, reading=Reading.SGLANG)
+    scores = score_readings(drafter, kimi_world.target_v1, probe_states, READINGS)
+    assert scores.samples == PROBE_PROMPTS
+    assert scores.ranked() == (Reading.SGLANG, Reading.VLLM)  # the reading it was trained on
+    t = scores.paired_t(Reading.SGLANG, Reading.VLLM)
     logs: list[str] = []
-    drafter, decision = probe(kimi_world, probe_states, Reading.SGLANG, tmp_path / "d", logs)
+    try:
+        _, decision = probe(kimi_world, probe_states, Reading.SGLANG, tmp_path / "d", logs)
+    except LayerIdsUnclear as refused:  # not clear enough on this build of the world
+        assert t < CLEARLY_BETTER.t
+        assert f"the sglang reading's loss is lower by {t:.2f} standard errors" in str(refused)
+        config = json.loads((tmp_path / "d" / "config.json").read_text())
+        assert KEY not in config and PIN_FIELD not in config
+        return
+    assert t >= CLEARLY_BETTER.t
     assert (decision.reading, decision.vllm, decision.how) == (Reading.SGLANG, (3, 5, 6), "probe")
     meta = decision.metadata()
-    assert meta["layer_probe_paired_t"] == pytest.approx(3.31, abs=0.01)
+    assert meta["layer_probe_paired_t"] == pytest.approx(t)
     assert meta["layer_probe_samples"] == PROBE_PROMPTS
-    assert meta["layer_probe_sglang_step0_loss"] < meta["layer_probe_vllm_step0_loss"]
-    config = json.loads((drafter / "config.json").read_text())
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config[KEY] == [3, 5, 6]
     assert config[PIN_FIELD]["reading"] == "sglang"
     assert logs[-1] == "layer probe: chose the sglang reading, aux layers [3, 5, 6] (vLLM ids)"
@@ -94,8 +109,8 @@ def test_the_warm_start_trained_on_the_vllm_reading_is_refused_not_guessed(
     with pytest.raises(LayerIdsUnclear) as refused:
         probe(kimi_world, probe_states, Reading.VLLM, tmp_path / "d", [])
     message = str(refused.value)
-    # the right way round, by a third of a standard error
-    assert "neither scores clearly better: the vllm reading's loss is lower by 0.38 " in message
+    assert "neither scores clearly better: the " in message
+    assert " reading's loss is lower by " in message and " standard errors, not 3.0" in message
     assert "sglang reading [3, 5, 6]: step-0 loss" in message
     assert "vllm reading [2, 4, 5]: step-0 loss" in message
     assert f"of {PROBE_PROMPTS} samples supervised" in message
