@@ -5,13 +5,20 @@ import json
 import os
 from pathlib import Path
 
-from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 from eagle3_assets.localdev.hub import LOCAL_DRAFTER_REPO, published_aux_layers
 from eagle3_assets.localdev.world import World
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SERVED_TARGET_NAME = "target-v2"
+
+
+def cpu_attention_args(model_dir: Path) -> tuple[str, ...]:
+    """vLLM's CPU build serves an MLA target with AMX_MLA where the CPU has AMX tiles, and that
+    backend takes only bf16/int8/fp8 weights ("expect weight to be bfloat16..."): a float32
+    miniature asks for the reference CPU_MLA backend, the one every other CPU gets."""
+    return ("--attention-backend", "CPU_MLA") if "kv_lora_rank" in target_config(model_dir) else ()
 
 
 def miniature_server(
@@ -35,6 +42,7 @@ def miniature_server(
         enforce_eager=True,  # skips torch.compile: a minute less on 2 cores
         cpu_kvcache_gib=1,
         trust_remote_code=trust_remote_code,
+        extra_args=cpu_attention_args(model_dir),
     )
 
 
@@ -47,6 +55,8 @@ def miniature_env(
     spec = world.spec
     layers = TargetShape.from_config(world.target_v2).num_hidden_layers
     user_settings = {}
+    if attention := cpu_attention_args(world.target_v2):  # the vllm extraction backend's server
+        user_settings["EAGLE3_EXTRACT_VLLM_ARGS"] = " ".join(attention)
     if spec.trust_remote_code:
         user_settings["EAGLE3_TRUST_REMOTE_CODE"] = "1"
     if spec.chat_template_kwargs is not None:
@@ -69,7 +79,9 @@ def miniature_env(
         "EAGLE3_CONCURRENCY": "16",
         "EAGLE3_HELDOUT_PROMPTS": str(world.heldout_prompts),
         # drafter_evaluation's servers: miniature_server's settings, on their own port
-        "EAGLE3_EVAL_VLLM_ARGS": "--enforce-eager",
+        "EAGLE3_EVAL_VLLM_ARGS": " ".join(
+            ("--enforce-eager", *cpu_attention_args(world.target_v2))
+        ),
         "EAGLE3_EVAL_MAX_MODEL_LEN": "1024",
         "EAGLE3_EVAL_CPU_KVCACHE_GIB": "1",
         "EAGLE3_EVAL_MAX_TOKENS": "96",

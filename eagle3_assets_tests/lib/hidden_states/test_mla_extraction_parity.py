@@ -17,6 +17,7 @@ from eagle3_assets.lib.generation.conversations import load_conversations
 from eagle3_assets.lib.hidden_states.backends import open_backend
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence, render_prompt_ids
+from eagle3_assets.localdev.miniature import cpu_attention_args
 from eagle3_assets_tests.conftest import free_port
 
 TOLERANCE = 1e-5  # |vLLM - hf| / |hf| over all positions, per layer; measured ~1.2e-6
@@ -53,7 +54,7 @@ def test_vllm_extracts_what_hf_computes_on_the_mla_target(kimi_world, serving_py
         serving_python=str(serving_python),
         vllm_port=free_port(),
         vllm_load_timeout_s=600,
-        vllm_args=["--enforce-eager"],
+        vllm_args=["--enforce-eager", *cpu_attention_args(target)],
     )
 
     def capture(backend: str) -> dict[int, torch.Tensor]:
