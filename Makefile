@@ -10,7 +10,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 # the demo's miniature world: kimi (DeepSeek-V3 targets, the default) or llama
 WORLD ?= kimi
 
-.PHONY: setup system-packages test lint format demo ui stop world clean bench-peers
+.PHONY: setup system-packages test lint format demo ui stop world clean bench-peers bench-peers-quality
 
 setup: $(VENV)/.installed $(SERVING_VENV)/.installed $(DAGSTER_HOME)/dagster.yaml
 
@@ -83,6 +83,10 @@ ui: setup
 # One training step, ours against SpecForge's and speculators', at two shapes (docs/benchmarks.md)
 bench-peers: $(VENV)/.installed $(PEERS_VENV)/.installed
 	$(VENV)/bin/python benchmarks/training_vs_peers.py
+
+# A drafter finetuned with each trainer's step on the same samples, each served in vLLM
+bench-peers-quality: setup $(PEERS_VENV)/.installed
+	$(VENV)/bin/python benchmarks/drafter_quality_vs_peers.py
 
 stop:
 	-$(VENV)/bin/python -m eagle3_assets.lib.serving.vllm_launcher stop --run-dir data/vllm

@@ -10,6 +10,7 @@ on the held-out prompts; the warm start itself is measured too. Goal: fp8 costs 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -25,13 +26,13 @@ from eagle3_assets.lib.hidden_states.extract import (
 )
 from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
 from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
-from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
+from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence, build_sequences
 from eagle3_assets.lib.serving.vllm_launcher import start, stop, wait_ready, with_eagle3_drafter
 from eagle3_assets.lib.training.train_drafter import RunConfig, train
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets.localdev.hub import train_world_drafter
 from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
-from eagle3_assets.localdev.world import build_world
+from eagle3_assets.localdev.world import World, build_world
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = LayerSelection(aux=(3, 5, 6), final=8, source="the world drafter's")
@@ -49,46 +50,81 @@ def serve_and_measure(world, drafter: Path, run_dir: Path, port: int, prompts) -
         stop(spec.run_dir, grace_s=30)
 
 
+@dataclass(frozen=True)
+class Story:
+    """The finetuning story in miniature: the demo world, its K2 drafter (the warm start),
+    target-v2's greedy answers to train on and the held-out prompts to serve."""
+
+    world: World
+    warm: Path
+    sequences: list[TokenSequence]
+    prompts: list[list[dict]]
+
+    @classmethod
+    def build(cls) -> Story:
+        world = build_world(REPO / "data" / "world", "demo", log=print)
+        warm = train_world_drafter(world, draft_vocab_size=1024)
+        rows = greedy_generation_rows(world.target_v2, world.prompts, SAMPLES, MAX_NEW_TOKENS)
+        sequences = build_sequences(rows, AutoTokenizer.from_pretrained(world.target_v2))
+        prompts = [list(c.messages) for c in load_conversations(world.heldout_prompts)]
+        return cls(world, warm, sequences, prompts)
+
+    def warm_start_export(self, out_dir: Path) -> Path:
+        """The warm start as vLLM loads it, at the layers it was trained on."""
+        checkpoint = read_drafter(self.warm, TargetShape.from_config(self.world.target_v2))
+        return write_vllm_drafter(out_dir, checkpoint.config, checkpoint.tensors, LAYERS.aux)
+
+    def hidden_states(self, out_dir: Path, shard_format: str) -> Path:
+        """target-v2's states of the answers, extracted with the hf backend (fp32)."""
+        target = self.world.target_v2
+        extract_batch(
+            self.sequences,
+            out_dir,
+            lambda: HFTarget(target, LAYERS.ids, dtype="float32", device="cpu"),
+            LAYERS,
+            128,
+            ExtractionSettings(ShardFormat.parse(shard_format)),
+            {"target": "target-v2"},
+        )
+        return out_dir
+
+    def finetuning(self, batch_dir: Path, out_dir: Path) -> RunConfig:
+        """From the warm start, STEPS steps at lr 1e-3 (warmup 5%, cosine), batch 4, TTT 7."""
+        return RunConfig(
+            batch_dirs=[str(batch_dir)],
+            warm_start=str(self.warm),
+            target=str(self.world.target_v2),
+            out_dir=str(out_dir),
+            steps=STEPS,
+            lr=1e-3,
+            warmup_ratio=0.05,
+        )
+
+
 def main() -> None:
-    world = build_world(REPO / "data" / "world", "demo", log=print)
-    warm = train_world_drafter(world, draft_vocab_size=1024)
-    rows = greedy_generation_rows(world.target_v2, world.prompts, SAMPLES, MAX_NEW_TOKENS)
-    sequences = build_sequences(rows, AutoTokenizer.from_pretrained(world.target_v2))
-    prompts = [list(c.messages) for c in load_conversations(world.heldout_prompts)]
+    story = Story.build()
     results: dict[str, Acceptance] = {}
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        checkpoint = read_drafter(warm, TargetShape.from_config(world.target_v2))
-        drafters = {
-            "warm start (the world's K2 drafter)": write_vllm_drafter(
-                work / "warm-vllm", checkpoint.config, checkpoint.tensors, LAYERS.aux
-            )
-        }
+        drafters = {"warm start (the world's K2 drafter)": story.warm_start_export(work / "warm")}
         for name in ("bf16+bf16", "fp8+fp8"):
-            extract_batch(
-                sequences,
-                work / name / "hidden_states",
-                lambda: HFTarget(world.target_v2, LAYERS.ids, dtype="float32", device="cpu"),
-                LAYERS,
-                128,
-                ExtractionSettings(ShardFormat.parse(name)),
-                {"target": "target-v2"},
-            )
-            run = RunConfig(
-                batch_dirs=[str(work / name / "hidden_states")],
-                warm_start=str(warm),
-                target=str(world.target_v2),
-                out_dir=str(work / name / "run"),
-                steps=STEPS,
-                lr=1e-3,
-                warmup_ratio=0.05,
-            )
+            states = story.hidden_states(work / name / "hidden_states", name)
+            run = story.finetuning(states, work / name / "run")
             drafters[f"finetuned on {name} shards"] = train(run).export
         for index, (name, drafter) in enumerate(drafters.items()):
             results[name] = serve_and_measure(
-                world, drafter, work / f"server-{index}", 8200 + index, prompts
+                story.world, drafter, work / f"server-{index}", 8200 + index, story.prompts
             )
-    print(report(results, len(sequences), len(prompts)))
+    print(report(results, len(story.sequences), len(story.prompts)))
+
+
+def acceptance_cells(result: Acceptance) -> str:
+    """mean acceptance length | per position | accepted / drafted, as table cells."""
+    positions = ", ".join(f"{p:.3f}" for p in result.per_position)
+    return (
+        f"{result.mean_length:.3f} | {positions} | "
+        f"{result.accepted:.0f} / {result.draft_tokens:.0f}"
+    )
 
 
 def report(results: dict[str, Acceptance], samples: int, prompts: int) -> str:
@@ -101,11 +137,7 @@ def report(results: dict[str, Acceptance], samples: int, prompts: int) -> str:
         "| --- | --- | --- | --- |",
     ]
     for name, result in results.items():
-        positions = ", ".join(f"{p:.3f}" for p in result.per_position)
-        lines.append(
-            f"| {name} | {result.mean_length:.3f} | {positions} | "
-            f"{result.accepted:.0f} / {result.draft_tokens:.0f} |"
-        )
+        lines.append(f"| {name} | {acceptance_cells(result)} |")
     bf16 = results["finetuned on bf16+bf16 shards"].mean_length
     fp8 = results["finetuned on fp8+fp8 shards"].mean_length
     lines += ["", f"fp8 vs bf16: {(fp8 - bf16) / bf16:+.2%} of mean acceptance length."]

@@ -50,15 +50,13 @@ def layer_config(shape: StepShape, **extra):
     )
 
 
-def specforge_parts(shape: StepShape, inputs: dict[str, torch.Tensor], ttt: int):
-    """SpecForge v0.2.0's offline EAGLE-3 pieces: the draft model, Eagle3TrainStrategy over
-    OnlineEagle3Model (loss weights 0.8^k) with the target head over the stored final state,
-    and one batch. The final state is normed here: SpecForge stores the target's normed last
-    state (its TargetHead is the lm_head alone), ours the state before the norm."""
+def specforge_model(shape: StepShape, embed_tokens, draft_ids, target_lm_head, ttt: int):
+    """SpecForge v0.2.0's offline EAGLE-3 pieces: the draft model (the target's frozen
+    embedding, the draft vocab `draft_ids`) and Eagle3TrainStrategy over OnlineEagle3Model
+    (loss weights 0.8^k) with the target head (the lm_head alone) over the stored state."""
     import specforge.algorithms.eagle3.model as eagle3
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
-    from specforge.runtime.contracts import TrainBatch
     from specforge.training.strategies.base import Eagle3TrainStrategy
 
     class TorchLogSoftmaxLoss:  # the Triton kernel's maths (specforge/core/loss.py)
@@ -78,34 +76,47 @@ def specforge_parts(shape: StepShape, inputs: dict[str, torch.Tensor], ttt: int)
     torch.manual_seed(0)
     draft = LlamaForCausalLMEagle3(config, attention_backend="sdpa").float()
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(inputs["embed_tokens"])
-        draft.t2d.zero_()[inputs["draft_ids"]] = True
-        draft.d2t.copy_(inputs["draft_ids"] - torch.arange(shape.draft_vocab_size))
+        draft.embed_tokens.weight.copy_(embed_tokens)
+        draft.t2d.zero_()[draft_ids] = True
+        draft.d2t.copy_(draft_ids - torch.arange(shape.draft_vocab_size))
     draft.freeze_embedding()
     model = eagle3.OnlineEagle3Model(draft, length=ttt, attention_backend="sdpa")
     head = TargetHead.__new__(TargetHead)
     nn.Module.__init__(head)
     head.fc = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-    head.fc.weight.data.copy_(inputs["target_lm_head"])
+    head.fc.weight.data.copy_(target_lm_head)
     head.freeze_weights()
+    return draft, Eagle3TrainStrategy(model, target_head=head)
+
+
+def specforge_batch(input_ids, aux, normed_final, loss_mask):
+    """SpecForge's offline batch of one sample [1, T, ...]: it stores the target's normed last
+    state (ours keeps it before the norm). Its `loss_mask` at index i is ours at i + 2 (the
+    token its draft index i predicts), zero for the last two rows, whose teacher after
+    SpecForge's shift is padding."""
+    from specforge.runtime.contracts import TrainBatch
+
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "loss_mask": loss_mask,
+        "hidden_state": aux,
+        "target": normed_final,
+    }
+    return TrainBatch(["0"], "eagle3", tensors, {"target_repr": "hidden_state"})
+
+
+def specforge_parts(shape: StepShape, inputs: dict[str, torch.Tensor], ttt: int):
+    """The draft model, the strategy and one batch of the seeded inputs (every position a
+    response token; the target's norm weight is ones)."""
+    draft, strategy = specforge_model(
+        shape, inputs["embed_tokens"], inputs["draft_ids"], inputs["target_lm_head"], ttt
+    )
     final = inputs["final"]
     normed = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-    # the last two rows teach nothing: after SpecForge's shift their teacher is padding
     loss_mask = torch.ones(1, shape.length, dtype=torch.long)
     loss_mask[0, -2:] = 0
-    batch = TrainBatch(
-        ["0"],
-        "eagle3",
-        {
-            "input_ids": inputs["input_ids"],
-            "attention_mask": torch.ones(1, shape.length, dtype=torch.long),
-            "loss_mask": loss_mask,
-            "hidden_state": inputs["aux"],
-            "target": normed,
-        },
-        {"target_repr": "hidden_state"},
-    )
-    return draft, Eagle3TrainStrategy(model, target_head=head), batch
+    return draft, strategy, specforge_batch(inputs["input_ids"], inputs["aux"], normed, loss_mask)
 
 
 def specforge_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
@@ -148,64 +159,88 @@ def specforge_gradients(shape: StepShape, inputs, ttt: int, weights: Path, out: 
     save_file({k: v.contiguous() for k, v in tensors.items()}, out)
 
 
-def speculators_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
-    """speculators 0.9.0's EAGLE-3 step with its trainer's defaults (TTT 3 is its default;
-    here `shape.ttt`, its API allows 7): Eagle3DraftModel's forward with the verifier's
-    last state, KL per step summed with decay 1.0; clipping at 1.0; its default optimizer,
-    Muon on the 2-D weights and AdamW on the rest."""
-    from speculators.losses.utils import resolve_loss_config
+def speculators_model(shape: StepShape, embed_tokens, verifier_rows, **variant):
+    """speculators 0.9.0's Eagle3DraftModel of one decoder layer: the target's frozen
+    embedding and its lm_head rows of the draft vocab (the teacher's and, frozen, the
+    draft's own); `variant`: its norm_before_residual / norm_before_fc / norm_output."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.train.optimizers import build_optimizers
 
     layer = layer_config(shape)
     # its default, flex attention, has no backward on CPU ("FlexAttention does not support
     # backward on CPU"): sdpa with the dense masks it builds for every other backend
     layer._attn_implementation = "sdpa"
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer,
-        draft_vocab_size=shape.draft_vocab_size,
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
+        transformer_layer_config=layer, draft_vocab_size=shape.draft_vocab_size, **variant
     )
     torch.manual_seed(0)
     model = Eagle3DraftModel(config).float()
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(inputs["embed_tokens"])
-        rows = inputs["target_lm_head"][inputs["draft_ids"]]
-        model.verifier_lm_head.weight.copy_(rows)
-        model.lm_head.weight.copy_(rows)
-    optimizers = (
-        build_optimizers(
-            model,
-            SimpleNamespace(
-                optimizer="muon",
-                lr=1e-3,
-                weight_decay=0.01,
-                muon_lr=1e-3,
-                muon_momentum=0.95,
-                muon_weight_decay=0.1,
-                muon_ns_steps=5,
-                muon_adjust_lr_fn="match_rms_adamw",
-            ),
-        )
-        if shape.optimizer_step
-        else []
+        model.embed_tokens.weight.copy_(embed_tokens)
+        model.verifier_lm_head.weight.copy_(verifier_rows)
+        model.lm_head.weight.copy_(verifier_rows)
+    return model
+
+
+def speculators_optimizers(model, lr: float) -> list:
+    """Its trainer's default: Muon on the 2-D weights and AdamW on the rest."""
+    from speculators.train.optimizers import build_optimizers
+
+    settings = SimpleNamespace(
+        optimizer="muon",
+        lr=lr,
+        weight_decay=0.01,
+        muon_lr=lr,
+        muon_momentum=0.95,
+        muon_weight_decay=0.1,
+        muon_ns_steps=5,
+        muon_adjust_lr_fn="match_rms_adamw",
     )
-    loss_config = resolve_loss_config("kl_div", "eager")
+    return build_optimizers(model, settings)
+
+
+def speculators_loss(model, aux, input_ids, loss_mask, final, ttt: int) -> torch.Tensor:
+    """Its forward on one packed document [1, T, ...] with the verifier's last state (before
+    the norm), KL per step summed with decay 1.0 (its default), the "eager" KL."""
+    from speculators.losses.utils import resolve_loss_config
+
+    S = input_ids.shape[1]
+    _, loss, _ = model(
+        hidden_states=aux,
+        input_ids=input_ids,
+        document_ids=torch.zeros(1, S, dtype=torch.long),
+        loss_mask=loss_mask,
+        position_ids=torch.arange(1, S + 1)[None],
+        verifier_last_hidden_states=final,
+        ttt_steps=ttt,
+        ttt_step_loss_decay=1.0,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
+    return loss
+
+
+def speculators_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
+    """speculators 0.9.0's EAGLE-3 step with its trainer's defaults (TTT 3 is its default;
+    here `shape.ttt`, its API allows 7): its norms before the residual, the fc and the
+    output; clipping at 1.0; Muon and AdamW."""
+    model = speculators_model(
+        shape,
+        inputs["embed_tokens"],
+        inputs["target_lm_head"][inputs["draft_ids"]],
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+    )
+    optimizers = speculators_optimizers(model, 1e-3) if shape.optimizer_step else []
     S = shape.length
 
     def step() -> float:
-        _, loss, _ = model(
-            hidden_states=inputs["aux"],
-            input_ids=inputs["input_ids"],
-            document_ids=torch.zeros(1, S, dtype=torch.long),
-            loss_mask=torch.ones(1, S, dtype=torch.bool),
-            position_ids=torch.arange(1, S + 1)[None],
-            verifier_last_hidden_states=inputs["final"],
-            ttt_steps=shape.ttt,
-            ttt_step_loss_decay=1.0,
-            loss_config=loss_config,
+        loss = speculators_loss(
+            model,
+            inputs["aux"],
+            inputs["input_ids"],
+            torch.ones(1, S, dtype=torch.bool),
+            inputs["final"],
+            shape.ttt,
         )
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)

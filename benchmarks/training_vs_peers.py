@@ -8,8 +8,12 @@ the draft vocab), each in a fresh process on the same 2 threads, in alternating 
   RunConfig's settings: what `train()` does per step on one rank;
 - SpecForge and speculators: benchmarks/peer_steps.py in the peers' venv, their own code
   (SpecForge's offline EAGLE-3 step; speculators' step with its trainer's defaults, at TTT 7).
-Reported per shape: tokens/s (the sample's tokens over the median step), the process's
-peak RSS, the step's loss, and our ratios to the faster and to the smaller peer.
+At the demo shape, ours also runs as 2 gloo ranks under torchrun (1 thread each, each rank
+its own sample, DistributedDataParallel's bucketed all-reduce overlapped with backward, as
+`train()` wraps it): the scaling against one rank on the same 2 cores.
+Reported per shape: tokens/s (the samples' tokens over the median step), the process's
+peak RSS (the ranks' sum), the step's loss, and our ratios to the faster and to the smaller
+peer.
 
 Before the timings, the maths: ours and SpecForge's step on the same weights and inputs,
 the loss of every TTT step and the weight gradients compared (`agreement`).
@@ -17,7 +21,8 @@ the loss of every TTT step and the weight gradients compared (`agreement`).
     make bench-peers           # creates .venv-peers, then runs this (22 min, ~16 GB RAM)
     .venv/bin/python benchmarks/training_vs_peers.py --shapes demo --rounds 1   # ~1 min
 
-Not measured yet: 2 gloo ranks, drafter quality in vLLM, GPU bf16 and MFU.
+Drafter quality from the same data: benchmarks/drafter_quality_vs_peers.py. Not measured:
+GPU bf16 and MFU (no GPU was lent to the task that wrote this).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 THREADS = 2
 TRAINERS = ("ours", "specforge", "speculators")
+RANKS_2 = "ours, 2 gloo ranks"  # 1 thread each: the same 2 cores as one rank's 2 threads
+RANKS_SHAPES = ("demo",)  # two Kimi-shaped steps (13 GB each) do not fit in 24 GB
 STEPS = {"demo": 40, "kimi": 1}  # timed steps per process, after one warm-up step
 
 
@@ -52,7 +59,9 @@ def our_parts(shape: StepShape, inputs: dict[str, torch.Tensor]):
     from eagle3_assets.lib.training.train_drafter import RunConfig
     from eagle3_assets.lib.training.ttt import TargetHead
 
-    recipe = RunConfig(batch_dirs=[], warm_start=None, target="", out_dir="", steps=1)
+    recipe = RunConfig(
+        batch_dirs=[], warm_start=None, target="", out_dir="", steps=1, ttt_length=shape.ttt
+    )
     config = DrafterConfig(
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -86,11 +95,15 @@ def our_parts(shape: StepShape, inputs: dict[str, torch.Tensor]):
     return model, head, sample, recipe
 
 
-def our_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
-    """Our trainer's step on one rank (train_drafter.train's loop body, minus the reader)."""
-    from eagle3_assets.lib.training.ttt import make_batch, ttt_loss
+def our_step(shape: StepShape, inputs: dict[str, torch.Tensor], world: int = 1):
+    """Our trainer's step (train_drafter.train's loop body, minus the reader): on one rank the
+    bare objective, on several the same one in DistributedDataParallel (bucketed all-reduce
+    overlapped with backward), as `train()` builds it."""
+    from eagle3_assets.lib.training.train_drafter import training_objective
+    from eagle3_assets.lib.training.ttt import make_batch
 
     model, head, sample, recipe = our_parts(shape, inputs)
+    objective = training_objective(model, recipe, world)
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = (
         torch.optim.AdamW(
@@ -102,7 +115,7 @@ def our_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
 
     def step() -> float:
         batch = make_batch([sample], head, model.t2d, shape.ttt)
-        loss, *_ = ttt_loss(model, batch, shape.ttt, recipe.decay)
+        loss, *_ = objective(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
         if optimizer is not None:
@@ -165,11 +178,37 @@ def child(shape_name: str, steps: int, seed: int) -> dict:
     return time_steps(our_step(shape, step_inputs(shape, seed)), steps)
 
 
+def ranks_child(shape_name: str, steps: int, seed: int) -> dict | None:
+    """One rank of our step under torchrun (gloo), the cores split between the ranks, each
+    rank on its own sample (seed + rank): rank 0 returns the step seconds (the ranks step in
+    lockstep) and the ranks' peak RSS summed, the job's memory."""
+    import torch.distributed as dist
+
+    from eagle3_assets.lib.training.train_drafter import distributed
+
+    with distributed():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.set_num_threads(max(1, THREADS // world))
+        shape = SHAPES[shape_name]
+        result = time_steps(our_step(shape, step_inputs(shape, seed + rank), world), steps)
+        peaks = torch.tensor([result["peak_rss"]], dtype=torch.float64)
+        dist.all_reduce(peaks)
+        result["peak_rss"] = int(peaks.item())
+        result["ranks"] = world
+    return result if rank == 0 else None
+
+
 def run(trainer: str, shape_name: str, seed: int) -> dict:
-    """One trainer's process; its last stdout line is the result."""
+    """One trainer's process (our 2 ranks: a torchrun job); its last stdout line is the
+    result."""
     steps = str(STEPS[shape_name])
     if trainer == "ours":
         command = [sys.executable, __file__, "--child", shape_name, steps, str(seed)]
+    elif trainer == RANKS_2:
+        from eagle3_assets.lib.training.torchrun import torchrun_command
+
+        entry = [__file__, "--ranks-child", shape_name, steps, str(seed)]
+        command = torchrun_command(entry, nproc=2)
     else:
         script = Path(__file__).with_name("peer_steps.py")
         command = [str(PEERS_PYTHON), str(script), trainer, shape_name, steps, str(seed)]
@@ -180,12 +219,19 @@ def run(trainer: str, shape_name: str, seed: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def trainers(shape_name: str) -> tuple[str, ...]:
+    """Who runs at a shape: our 2 ranks only where two copies of the step fit in RAM."""
+    return (*TRAINERS, RANKS_2) if shape_name in RANKS_SHAPES else TRAINERS
+
+
 def measure(shape_names: list[str], rounds: int, seed: int) -> dict:
     """Every trainer once a round, in a rotating order, so drift hits each alike."""
-    results: dict = {name: {t: [] for t in TRAINERS} for name in shape_names}
+    results: dict = {name: {t: [] for t in trainers(name)} for name in shape_names}
     for name in shape_names:
         for number in range(rounds):
-            order = TRAINERS[number % 3 :] + TRAINERS[: number % 3]
+            everyone = trainers(name)
+            turn = number % len(everyone)
+            order = everyone[turn:] + everyone[:turn]
             for trainer in order:
                 started = time.perf_counter()
                 result = run(trainer, name, seed)
@@ -231,8 +277,8 @@ def report(results: dict, rounds: int, agreed: list[dict]) -> str:
         rows = {}
         for trainer, runs in by_trainer.items():
             step = statistics.median(s for r in runs for s in r["seconds"])
-            rows[trainer] = {
-                "tokens_per_s": shape.length / step,
+            rows[trainer] = {  # every rank trains its own sample of shape.length tokens
+                "tokens_per_s": runs[0].get("ranks", 1) * shape.length / step,
                 "step": step,
                 "peak_rss": max(r["peak_rss"] for r in runs),
                 "loss": runs[-1]["loss"],
@@ -268,6 +314,13 @@ def report(results: dict, rounds: int, agreed: list[dict]) -> str:
             "<= 0.8x).",
             "",
         ]
+        if RANKS_2 in rows:
+            scaling = rows[RANKS_2]["tokens_per_s"] / ours["tokens_per_s"]
+            lines += [
+                f"Scaling: 2 gloo ranks (1 thread each) give {scaling:.2f}x the tokens/s of 1 "
+                "rank (2 threads) on the same 2 cores.",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -277,9 +330,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", nargs=3, metavar=("SHAPE", "STEPS", "SEED"), help="internal")
+    parser.add_argument("--ranks-child", nargs=3, metavar=("SHAPE", "STEPS", "SEED"))
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]))))
+        return
+    if args.ranks_child:
+        shape_name, steps, seed = args.ranks_child
+        result = ranks_child(shape_name, int(steps), int(seed))
+        if result is not None:
+            print(json.dumps(result))
         return
     if not PEERS_PYTHON.exists():
         sys.exit(f"{PEERS_PYTHON} not found: `make bench-peers` creates the peers' venv")

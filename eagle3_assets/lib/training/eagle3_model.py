@@ -65,6 +65,84 @@ def scratch_config(target: dict, draft_vocab_size: int) -> DrafterConfig:
     )
 
 
+def columns_linear(x: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """x [..., n] times the weight's columns start..start + n (x @ weight[:, cols].T)."""
+    return F.linear(x, weight[:, start : start + x.shape[-1]])
+
+
+class _ChainedWeight(torch.autograd.Function):
+    """The weight as every step of one chain reads it (an alias). Its backward runs once all
+    the steps' have: the weight's gradient as one product over every step's rows per block
+    of columns, written in place, from the (output gradient, input, first column) triples
+    that `_ChainedLinear` kept."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, uses: list) -> torch.Tensor:
+        ctx.uses, ctx.dtype = uses, weight.dtype
+        ctx.set_materialize_grads(False)  # the steps pass none: no weight-sized zeros
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_alias: torch.Tensor | None):
+        uses, ctx.uses = ctx.uses, []
+        first = uses[0][0]
+        out, width = first.shape[-1], max(start + x.shape[-1] for _, x, start in uses)
+        grad = first.new_empty(out, width)
+        covered = 0
+        for start in sorted({start for _, _, start in uses}):
+            block = [(g, x) for g, x, s in uses if s == start]
+            grads = torch.cat([g.reshape(-1, out) for g, _ in block])
+            inputs = torch.cat([x.reshape(-1, x.shape[-1]) for _, x in block])
+            torch.mm(grads.T, inputs, out=grad[:, start : start + inputs.shape[1]])
+            covered += inputs.shape[1]
+        if covered != width:
+            raise ValueError(f"chained weight: the steps read {covered} of {width} columns")
+        return grad.to(ctx.dtype), None
+
+
+class _ChainedLinear(torch.autograd.Function):
+    """F.linear of x over the weight's columns start..start + x's width. Its backward gives
+    x's gradient and keeps the rest for the weight's `_ChainedWeight`; in the autocast
+    dtype when autocast is on (the output's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, uses: list, start: int):
+        ctx.save_for_backward(x, weight)
+        ctx.uses, ctx.start = uses, start
+        return columns_linear(x, weight, start)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        ctx.uses.append((grad, x.to(grad.dtype), ctx.start))
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        columns = weight[:, ctx.start : ctx.start + x.shape[-1]]
+        return grad @ columns.to(grad.dtype), None, None, None
+
+
+class StepWeights:
+    """Multiplies by the weights that every TTT step reads (q, k, v, o_proj, the MLP,
+    lm_head). Plain autograd computes such a weight's gradient once per step, a [out, S] x
+    [S, in] product that is memory-bound at short S, and adds the steps' weight-sized
+    results; here it is one product over all steps' rows, written into one new tensor when
+    backward reaches the weight: the same sums, fewer and larger matmuls, no weight-sized
+    temporaries. One per chain; without autograd (no_grad) it is F.linear."""
+
+    def __init__(self) -> None:
+        self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`columns_linear`, its weight gradient chained."""
+        if not torch.is_grad_enabled():
+            return columns_linear(x, weight, start)
+        if id(weight) not in self._aliases:  # the weight is kept: its id stays its own
+            uses: list = []
+            self._aliases[id(weight)] = (weight, _ChainedWeight.apply(weight, uses), uses)
+        _, alias, uses = self._aliases[id(weight)]
+        return _ChainedLinear.apply(x, alias, uses, start)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -91,14 +169,26 @@ class Rotary(nn.Module):
         inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inverse_frequency", inverse, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, S, D] rotated by positions [B, S]."""
-        angles = positions[:, None, :, None].float() * self.inverse_frequency
+    def table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [length, D] of positions 0..length-1: computed once per chain, sliced
+        per step (step k's positions are k..k+S-1)."""
+        positions = torch.arange(length, device=self.inverse_frequency.device)
+        angles = positions[:, None].float() * self.inverse_frequency
         angles = torch.cat((angles, angles), dim=-1)
-        return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, S, D] rotated by cos and sin [S, D]."""
+        return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
+    """q, k and v read cat[input_layernorm(embed(token)), hidden_norm(h)] (2H, vLLM's order).
+    Their token half depends only on the token's index, the same at every TTT step (step k
+    reads the tokens k..k+S-1): `token_projections` runs it once for the whole chain, and
+    `project` adds only the hidden half at each step, the same sums in another order."""
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         heads, kv_heads, dim = (
@@ -107,21 +197,43 @@ class Attention(nn.Module):
             config.head_dim,
         )
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.hidden_size = config.hidden_size
         self.q_proj = nn.Linear(2 * config.hidden_size, heads * dim, bias=False)
         self.k_proj = nn.Linear(2 * config.hidden_size, kv_heads * dim, bias=False)
         self.v_proj = nn.Linear(2 * config.hidden_size, kv_heads * dim, bias=False)
         self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=False)
         self.rotary = Rotary(dim, config.rope_theta)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """q [B, heads, S, D], k and v [B, heads, S, D] (kv heads repeated), rotated."""
-        B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.heads, self.dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, self.kv_heads, self.dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, self.kv_heads, self.dim).transpose(1, 2)
+    def qkv_weights(self) -> list[torch.Tensor]:
+        return [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)]
+
+    def token_projections(self, embeds: torch.Tensor, chain: StepWeights) -> list[torch.Tensor]:
+        """The token half of q, k, v for every index of the chain: embeds [B, L, H] (normed)."""
+        return [chain.linear(embeds, weight) for weight in self.qkv_weights()]
+
+    def project(
+        self,
+        tokens: list[torch.Tensor],
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        chain: StepWeights,
+    ):
+        """q [B, heads, S, D], k and v [B, heads, S, D] (kv heads repeated), rotated: the
+        token halves [B, S, ·] (this step's slice) plus the hidden half of hidden [B, S, H]."""
+        B, S, _ = hidden.shape
+        H = self.hidden_size
+        q, k, v = (
+            t + chain.linear(hidden, w, start=H)
+            for t, w in zip(tokens, self.qkv_weights(), strict=True)
+        )
+        q = q.view(B, S, self.heads, self.dim).transpose(1, 2)
+        k = k.view(B, S, self.kv_heads, self.dim).transpose(1, 2)
+        v = v.view(B, S, self.kv_heads, self.dim).transpose(1, 2)
         repeat = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return self.rotary(q, positions), self.rotary(k, positions), v
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -131,8 +243,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, chain: StepWeights) -> torch.Tensor:
+        gate = chain.linear(x, self.gate_proj.weight)
+        up = chain.linear(x, self.up_proj.weight)
+        return chain.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class MidLayer(nn.Module):
@@ -162,11 +276,13 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        # the target's, frozen and not part of the checkpoint (vLLM shares the target's)
-        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+        # the target's, frozen and not part of the checkpoint (vLLM shares the target's); the
+        # caller's tensor itself, never a copy: 4.7 GB of fp32 at Kimi's vocab
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
 
-    def logits(self, pre: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(pre))
+    def logits(self, pre: torch.Tensor, chain: StepWeights | None = None) -> torch.Tensor:
+        """Draft-vocab logits of `pre`; `chain`: the one `ttt` produced `pre` in."""
+        return (chain or StepWeights()).linear(self.norm(pre), self.lm_head.weight)
 
     def ttt(
         self,
@@ -174,6 +290,7 @@ class Eagle3Drafter(nn.Module):
         input_ids: torch.Tensor,
         steps: int,
         key_mask: torch.Tensor | None = None,
+        chain: StepWeights | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test: the pre-norm outputs of `steps` chained draft steps, [B, S, H]
         each. Step 0 reads fc(aux) [B, S, aux_width] with tokens `input_ids[:, k : k + S]`
@@ -182,11 +299,17 @@ class Eagle3Drafter(nn.Module):
         further on, at rope position index + k. Attention is vLLM's at inference: step k's query at
         index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index i), so
         the cost is one S x S score matrix plus S x k, never (S k) x (S k). `key_mask`
-        [B, S] hides padding keys."""
+        [B, S] hides padding keys; `chain` (new if None) multiplies by the weights every
+        step reads: pass the same one to `logits`."""
+        chain = StepWeights() if chain is None else chain
         layer = self.midlayer
         attention = layer.self_attn
         B, S = aux.shape[:2]
-        positions = torch.arange(S, device=aux.device).expand(B, S)
+        length = S + steps - 1  # the token indices the chain reads, all steps together
+        token_parts = attention.token_projections(
+            layer.input_layernorm(self.embed_tokens[input_ids[:, :length]]), chain
+        )
+        cos, sin = attention.rotary.table(length)
         hidden = self.fc(aux)
         causal = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()
         if key_mask is None:
@@ -199,10 +322,9 @@ class Eagle3Drafter(nn.Module):
         chain_values: list[torch.Tensor] = []
         outputs = []
         for k in range(steps):
-            embeds = self.embed_tokens[input_ids[:, k : k + S]]
             normed = layer.hidden_norm(hidden)
-            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
-            q, key, value = attention.project(x, positions + k)
+            tokens = [part[:, k : k + S] for part in token_parts]
+            q, key, value = attention.project(tokens, normed, cos[k : k + S], sin[k : k + S], chain)
             if k == 0:
                 base_keys, base_values = key, value
             else:
@@ -219,8 +341,8 @@ class Eagle3Drafter(nn.Module):
                 mixed = mixed + weights[..., S + j : S + j + 1] * cv
             mixed = mixed.transpose(1, 2).reshape(B, S, -1)
             residual = normed if layer.norm_before_residual else hidden
-            residual = attention.o_proj(mixed) + residual
-            pre = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+            residual = chain.linear(mixed, attention.o_proj.weight) + residual
+            pre = layer.mlp(layer.post_attention_layernorm(residual), chain) + residual
             outputs.append(pre)
             hidden = pre
         return outputs

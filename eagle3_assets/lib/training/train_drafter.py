@@ -349,7 +349,7 @@ class _TTTObjective(torch.nn.Module):
         return ttt_loss(self.drafter, batch, self.steps, self.decay)
 
 
-def _objective(model: Eagle3Drafter, config: RunConfig, world: int) -> torch.nn.Module:
+def training_objective(model: Eagle3Drafter, config: RunConfig, world: int) -> torch.nn.Module:
     """The loss to back-propagate: on one rank the bare objective (bit-identical to calling
     ttt_loss), on several wrapped in DistributedDataParallel, whose gradients come out of
     backward averaged over the ranks. The buffers (vocab maps, the target's embedding, GBs for
@@ -391,7 +391,7 @@ def train(
     progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
     record = ConsumptionRecord(out_dir, rank, progress.step)
     samples = _samples(reader, progress)
-    objective = _objective(model, config, world)
+    objective = training_objective(model, config, world)
     stop = _StopFlag()
     producer = _start_producer(config, progress, rank, world, out_dir)
     started = time.monotonic()

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from eagle3_assets.lib.core.target import target_config
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample
-from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter
+from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, StepWeights
 
 TEACHER_CHUNK = 512  # positions per lm_head chunk: bounds memory for a 164K-token vocab
 
@@ -162,14 +162,15 @@ def ttt_loss(
     loss of each sample that step 0 supervises) for one batch: hits and counts, not their
     ratio, so that ranks and batches add up exactly; the per-sample losses for comparisons
     paired by sample (the layer probe)."""
-    outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask)
+    chain = StepWeights()
+    outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask, chain)
     S = batch.aux.shape[1]
     total = torch.zeros((), device=batch.aux.device)
     losses, hits, counts, first_samples = [], [], [], []
     for k, pre in enumerate(outputs):
         target = batch.targets[:, 1 + k : 1 + k + S]
         mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
-        log_probs = F.log_softmax(model.logits(pre).float(), dim=-1)
+        log_probs = F.log_softmax(model.logits(pre, chain).float(), dim=-1)
         per_position = -(target * log_probs).sum(-1)
         supervised = mask.sum(-1)
         has = supervised > 0

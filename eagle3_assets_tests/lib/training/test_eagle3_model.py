@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from eagle3_assets.lib.training.eagle3_model import DrafterConfig, Eagle3Drafter
+from eagle3_assets.lib.training.eagle3_model import (
+    DrafterConfig,
+    Eagle3Drafter,
+    StepWeights,
+    columns_linear,
+)
 
 CONFIG = DrafterConfig(
     hidden_size=32,
@@ -93,6 +98,46 @@ def test_ttt_equals_the_step_by_step_chain(steps):
             torch.testing.assert_close(outputs[k][0, start], expected[k], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "bf16-autocast"])
+def test_chained_weight_gradients_equal_plain_autograd(monkeypatch, autocast):
+    """StepWeights computes each shared weight's gradient as one product over the steps:
+    the same gradients as autograd's per-step products, for every parameter; under bf16
+    autocast (the GPU recipe, here on the CPU) to bf16's precision, in fp32 weights."""
+    dtype = torch.float32 if autocast else torch.float64
+    torch.manual_seed(2)
+    model = Eagle3Drafter(CONFIG, torch.randn(50, 32)).to(dtype)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    steps, S = 3, 5
+    aux, ids = torch.randn(2, S, 96, dtype=dtype), torch.randint(0, 50, (2, S + 2))
+    mask = torch.tensor([[True] * S, [True, True, True, False, False]])
+    weights = torch.randn(steps, 2, S, CONFIG.draft_vocab_size, dtype=dtype)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        chain = StepWeights()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            outputs = model.ttt(aux, ids, steps, key_mask=mask, chain=chain)
+            loss = sum(
+                (model.logits(pre, chain) * w).sum()
+                for pre, w in zip(outputs, weights, strict=True)
+            )
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-10, "atol": 1e-12}
+    chained = gradients()
+    monkeypatch.setattr(
+        StepWeights, "linear", lambda self, *args, **kw: columns_linear(*args, **kw)
+    )
+    plain = gradients()
+    assert set(chained) == set(plain) == {n for n, p in model.named_parameters()}
+    for name, grad in plain.items():
+        assert grad.abs().max() > 0, name  # every weight takes part
+        assert chained[name].dtype == dtype, name  # the weight's, not the autocast dtype
+        torch.testing.assert_close(chained[name], grad, **tolerance, msg=name)
+
+
 def test_padding_keys_are_invisible_and_produce_no_nan():
     torch.manual_seed(1)
     model = Eagle3Drafter(CONFIG, torch.randn(50, 32))
@@ -108,7 +153,11 @@ def test_padding_keys_are_invisible_and_produce_no_nan():
 def test_embed_tokens_must_be_the_targets_and_is_not_saved():
     with pytest.raises(ValueError, match=r"embed_tokens: expected the target's \[50, 32\]"):
         Eagle3Drafter(CONFIG, torch.zeros(49, 32))
-    names = set(Eagle3Drafter(CONFIG, torch.zeros(50, 32)).state_dict())
+    embed = torch.zeros(50, 32)
+    model = Eagle3Drafter(CONFIG, embed)
+    # the target's tensor itself, shared with the teacher's head: one copy in memory
+    assert model.embed_tokens.data_ptr() == embed.data_ptr()
+    names = set(model.state_dict())
     # exactly the names SpecForge saves and vLLM's llama_eagle3 loads: no embedding, no rope
     # table, no wrapper prefix
     layer = [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm")]
