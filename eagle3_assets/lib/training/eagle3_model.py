@@ -78,25 +78,26 @@ class _ChainedWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, uses: list) -> torch.Tensor:
-        ctx.uses, ctx.dtype = uses, weight.dtype
+        ctx.uses, ctx.dtype, ctx.shape = uses, weight.dtype, weight.shape
         ctx.set_materialize_grads(False)  # the steps pass none: no weight-sized zeros
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad_alias: torch.Tensor | None):
-        uses, ctx.uses = ctx.uses, []
+    def backward(ctx, unused: torch.Tensor | None):
+        uses = list(ctx.uses)
+        ctx.uses.clear()  # every step's pair is here: free them now
+        if not uses:  # no step's output reached the loss
+            return None, None
         first = uses[0][0]
-        out, width = first.shape[-1], max(start + x.shape[-1] for _, x, start in uses)
-        grad = first.new_empty(out, width)
-        covered = 0
-        for start in sorted({start for _, _, start in uses}):
+        widths = {start: x.shape[-1] for _, x, start in uses}  # blocks of columns read
+        out, width = first.shape[-1], ctx.shape[1]
+        whole = sum(widths.values()) == width  # else zeros where no step read
+        grad = first.new_empty(out, width) if whole else first.new_zeros(out, width)
+        for start, columns in sorted(widths.items()):
             block = [(g, x) for g, x, s in uses if s == start]
             grads = torch.cat([g.reshape(-1, out) for g, _ in block])
-            inputs = torch.cat([x.reshape(-1, x.shape[-1]) for _, x in block])
-            torch.mm(grads.T, inputs, out=grad[:, start : start + inputs.shape[1]])
-            covered += inputs.shape[1]
-        if covered != width:
-            raise ValueError(f"chained weight: the steps read {covered} of {width} columns")
+            inputs = torch.cat([x.reshape(-1, columns) for _, x in block])
+            torch.mm(grads.T, inputs, out=grad[:, start : start + columns])
         return grad.to(ctx.dtype), None
 
 
@@ -114,7 +115,8 @@ class _ChainedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        ctx.uses.append((grad, x.to(grad.dtype), ctx.start))
+        # detached: a kept input with its graph would tie the list to it in a cycle
+        ctx.uses.append((grad, x.detach().to(grad.dtype), ctx.start))
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         columns = weight[:, ctx.start : ctx.start + x.shape[-1]]

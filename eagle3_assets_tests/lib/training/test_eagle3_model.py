@@ -2,6 +2,7 @@
 runs it at inference: step k of the chain that starts at index i sees the prefill keys 0..i
 and its own chain's keys, at rope position i + k."""
 
+import gc
 import math
 
 import pytest
@@ -136,6 +137,40 @@ def test_chained_weight_gradients_equal_plain_autograd(monkeypatch, autocast):
         assert grad.abs().max() > 0, name  # every weight takes part
         assert chained[name].dtype == dtype, name  # the weight's, not the autocast dtype
         torch.testing.assert_close(chained[name], grad, **tolerance, msg=name)
+
+
+def test_a_chain_leaves_no_tensor_behind():
+    """What StepWeights keeps for backward is freed with the step: a kept input still tied to
+    its graph would form a cycle through autograd's nodes, which Python's gc cannot see, and
+    every step would leak its activations."""
+    model = Eagle3Drafter(CONFIG, torch.randn(50, 32))
+    aux, ids = torch.randn(2, 5, 96), torch.randint(0, 50, (2, 7))
+
+    def step() -> None:
+        chain = StepWeights()
+        outputs = model.ttt(aux, ids, 3, chain=chain)
+        sum(model.logits(pre, chain).sum() for pre in outputs).backward()
+        model.zero_grad(set_to_none=True)
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(type(o) in (torch.Tensor, torch.nn.Parameter) for o in gc.get_objects())
+
+    step()
+    before = live_tensors()
+    step()
+    assert live_tensors() == before
+
+
+def test_step_weights_columns_read_by_no_step_get_zero_gradient():
+    torch.manual_seed(3)
+    weight = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    chain = StepWeights()
+    (chain.linear(x, weight, start=2) * torch.arange(4.0)).sum().backward()
+    expected = torch.zeros(4, 6, dtype=torch.float64)
+    expected[:, 2:4] = torch.arange(4.0, dtype=torch.float64)[:, None] * x.sum(0)
+    torch.testing.assert_close(weight.grad, expected)
 
 
 def test_padding_keys_are_invisible_and_produce_no_nan():
