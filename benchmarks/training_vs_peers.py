@@ -18,7 +18,7 @@ peer.
 Before the timings, the maths: ours and SpecForge's step on the same weights and inputs,
 the loss of every TTT step and the weight gradients compared (`agreement`).
 
-    make bench-peers           # creates .venv-peers, then runs this (22 min, ~16 GB RAM)
+    make bench-peers           # creates .venv-peers, then runs this (19 min, ~16 GB RAM)
     .venv/bin/python benchmarks/training_vs_peers.py --shapes demo --rounds 1   # ~1 min
 
 Drafter quality from the same data: benchmarks/drafter_quality_vs_peers.py. Not measured:
