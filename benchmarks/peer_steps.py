@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -252,7 +253,12 @@ def speculators_step(shape: StepShape, inputs: dict[str, torch.Tensor]):
     return step
 
 
-PEERS = {"specforge": specforge_step, "speculators": speculators_step}
+PEERS = {
+    "specforge": specforge_step,
+    "speculators": speculators_step,
+    # its trainer's default TTT length, beside the shape's 7: what its users run as shipped
+    "speculators-ttt3": lambda shape, inputs: speculators_step(replace(shape, ttt=3), inputs),
+}
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ the draft vocab), each in a fresh process on the same 2 threads, in alternating 
   and `ttt_loss` (TTT 7, 0.8^k), backward, clipping at RunConfig.grad_clip, AdamW with
   RunConfig's settings: what `train()` does per step on one rank;
 - SpecForge and speculators: benchmarks/peer_steps.py in the peers' venv, their own code
-  (SpecForge's offline EAGLE-3 step; speculators' step with its trainer's defaults, at TTT 7).
+  (SpecForge's offline EAGLE-3 step; speculators' step with its trainer's defaults, at TTT 7,
+  and at its default TTT 3 as `speculators-ttt3`, shown beside the goals, not in them).
 At the demo shape, ours also runs as 2 gloo ranks under torchrun (1 thread each, each rank
 its own sample, DistributedDataParallel's bucketed all-reduce overlapped with backward, as
 `train()` wraps it): the scaling against one rank on the same 2 cores.
@@ -46,7 +47,8 @@ from step_inputs import SHAPES, StepShape, step_inputs, time_steps
 REPO = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 THREADS = 2
-TRAINERS = ("ours", "specforge", "speculators")
+TRAINERS = ("ours", "specforge", "speculators", "speculators-ttt3")
+GOAL_PEERS = ("specforge", "speculators")  # at the shape's TTT 7, as ours; the goals' peers
 RANKS_2 = "ours, 2 gloo ranks"  # 1 thread each: the same 2 cores as one rank's 2 threads
 RANKS_SHAPES = ("demo",)  # two Kimi-shaped steps (13 GB each) do not fit in 24 GB
 STEPS = {"demo": 40, "kimi": 1}  # timed steps per process, after one warm-up step
@@ -283,7 +285,7 @@ def report(results: dict, rounds: int, agreed: list[dict]) -> str:
                 "peak_rss": max(r["peak_rss"] for r in runs),
                 "loss": runs[-1]["loss"],
             }
-        peers = [rows["specforge"], rows["speculators"]]
+        peers = [rows[peer] for peer in GOAL_PEERS]
         fastest = max(p["tokens_per_s"] for p in peers)
         smallest = min(p["peak_rss"] for p in peers)
         what = (

@@ -181,8 +181,8 @@ class Spool:
         """Wait for a sample, read it, delete it; (sample, seconds waited)."""
         path, started = self.directory / name, time.monotonic()
         while not path.exists():
-            if (self.directory / FAILED).exists():
-                raise ProducerFailed((self.directory / FAILED).read_text())
+            if (failure := self.failure()) is not None:
+                raise ProducerFailed(failure)
             time.sleep(POLL_S)
         waited = time.monotonic() - started
         sample = ShardFile(path).sample(0, dtype)
@@ -192,6 +192,12 @@ class Spool:
     def fail(self, message: str) -> None:
         if not (self.directory / FAILED).exists():
             write_atomically(self.directory / FAILED, message.encode())
+
+    def failure(self) -> str | None:
+        """The producer's failure note, if it failed."""
+        with contextlib.suppress(FileNotFoundError):
+            return (self.directory / FAILED).read_text()
+        return None
 
 
 class StreamedSamples:

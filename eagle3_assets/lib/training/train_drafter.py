@@ -48,6 +48,7 @@ from eagle3_assets.lib.hidden_states.extract import read_manifest
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out, trained_on
 from eagle3_assets.lib.hidden_states.streaming import (
     Producer,
+    ProducerFailed,
     ProducerRun,
     StreamedSamples,
     StreamSpec,
@@ -443,6 +444,13 @@ def train(
                 raise Interrupted(
                     f"signal {stop.signal}: checkpoint at step {progress.step} in {out_dir}"
                 )
+    except Exception as error:
+        # a rank that finds the producer dead stops; the others then fail in a collective
+        # ("connection closed by peer"): say what happened, whichever rank reports
+        failure = reader.spool.failure() if config.stream is not None else None
+        if failure is not None and not isinstance(error, ProducerFailed):
+            raise ProducerFailed(failure) from error
+        raise
     finally:
         stop.restore()
         record.close()
