@@ -51,6 +51,11 @@ def layer_config(shape: StepShape, **extra):
     )
 
 
+def target_normed(final: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
+    """The target's final RMSNorm of its last state: what SpecForge stores as its target."""
+    return final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def specforge_model(shape: StepShape, embed_tokens, draft_ids, target_lm_head, ttt: int):
     """SpecForge v0.2.0's offline EAGLE-3 pieces: the draft model (the target's frozen
     embedding, the draft vocab `draft_ids`) and Eagle3TrainStrategy over OnlineEagle3Model
@@ -114,7 +119,7 @@ def specforge_parts(shape: StepShape, inputs: dict[str, torch.Tensor], ttt: int)
         shape, inputs["embed_tokens"], inputs["draft_ids"], inputs["target_lm_head"], ttt
     )
     final = inputs["final"]
-    normed = final * torch.rsqrt(final.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    normed = target_normed(final, 1.0, NORM_EPS)
     loss_mask = torch.ones(1, shape.length, dtype=torch.long)
     loss_mask[0, -2:] = 0
     return draft, strategy, specforge_batch(inputs["input_ids"], inputs["aux"], normed, loss_mask)

@@ -37,6 +37,7 @@ from peer_steps import (
     speculators_loss,
     speculators_model,
     speculators_optimizers,
+    target_normed,
 )
 from step_inputs import StepShape
 
@@ -65,8 +66,7 @@ class Inputs:
 
     def normed(self, final: torch.Tensor) -> torch.Tensor:
         """The target's final norm, applied as SpecForge stores the last state."""
-        variance = final.pow(2).mean(-1, keepdim=True) + self.run["rms_norm_eps"]
-        return final * torch.rsqrt(variance) * self.tensors["target_norm"]
+        return target_normed(final, self.tensors["target_norm"], self.run["rms_norm_eps"])
 
 
 def specforge(inputs: Inputs) -> dict[str, torch.Tensor]:
