@@ -29,7 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_vs_bf16_acceptance import LAYERS, STEPS, Story, acceptance_cells, serve_and_measure
 from training_vs_peers import PEERS_PYTHON, THREADS
 
-from eagle3_assets.lib.checkpoint.drafter_io import read_drafter, write_vllm_drafter
+from eagle3_assets.lib.checkpoint.drafter_io import (
+    DrafterCheckpoint,
+    read_drafter,
+    write_vllm_drafter,
+)
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.evaluation.acceptance import Acceptance
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
@@ -40,12 +44,11 @@ PEERS = ("specforge", "speculators")
 SHARD_FORMAT = "bf16+bf16"
 
 
-def peer_inputs(story: Story, run: RunConfig, work: Path) -> None:
+def peer_inputs(warm: DrafterCheckpoint, run: RunConfig, work: Path) -> None:
     """run.json and inputs.safetensors for peer_training.py: the warm start in our names,
     the target's head, and every sample our run trained on, indexed in its steps."""
     target = Path(run.target)
-    checkpoint = read_drafter(story.warm, TargetShape.from_config(target))
-    config = checkpoint.config
+    config = warm.config
     head = TargetHead(target)
     consumed = Path(run.out_dir) / "consumed" / "rank-0.jsonl"
     steps_by_id = [
@@ -54,7 +57,7 @@ def peer_inputs(story: Story, run: RunConfig, work: Path) -> None:
     ]
     trained = sorted({sample_id for step in steps_by_id for sample_id in step})
     index = {sample_id: n for n, sample_id in enumerate(trained)}
-    tensors = {f"warm.{name}": tensor for name, tensor in checkpoint.tensors.items()}
+    tensors = {f"warm.{name}": tensor for name, tensor in warm.tensors.items()}
     tensors |= {
         "target_lm_head": head.lm_head,
         "target_norm": head.norm_weight,
@@ -99,7 +102,9 @@ def peer_inputs(story: Story, run: RunConfig, work: Path) -> None:
     (work / "run.json").write_text(json.dumps(description))
 
 
-def peer_drafter(story: Story, peer: str, work: Path, out_dir: Path) -> tuple[Path, float]:
+def peer_drafter(
+    warm: DrafterCheckpoint, peer: str, work: Path, out_dir: Path
+) -> tuple[Path, float]:
     """The drafter the peer's step trained, exported as ours is, and its training seconds."""
     started = time.perf_counter()
     command = [str(PEERS_PYTHON), str(Path(__file__).with_name("peer_training.py")), peer]
@@ -108,9 +113,8 @@ def peer_drafter(story: Story, peer: str, work: Path, out_dir: Path) -> tuple[Pa
     if done.returncode != 0:
         raise RuntimeError(f"{peer} training failed:\n{done.stderr[-4000:]}")
     seconds = time.perf_counter() - started
-    checkpoint = read_drafter(story.warm, TargetShape.from_config(story.world.target_v2))
     tensors = load_file(work / f"{peer}.safetensors")
-    return write_vllm_drafter(out_dir, checkpoint.config, tensors, LAYERS.aux), seconds
+    return write_vllm_drafter(out_dir, warm.config, tensors, LAYERS.aux), seconds
 
 
 def main() -> None:
@@ -126,9 +130,10 @@ def main() -> None:
         started = time.perf_counter()
         drafters = {"warm start": story.warm_start_export(work / "warm"), "ours": train(run).export}
         seconds["ours"] = time.perf_counter() - started
-        peer_inputs(story, run, work)
+        warm = read_drafter(story.warm, TargetShape.from_config(story.world.target_v2))
+        peer_inputs(warm, run, work)
         for peer in PEERS:
-            drafters[peer], seconds[peer] = peer_drafter(story, peer, work, work / f"{peer}-vllm")
+            drafters[peer], seconds[peer] = peer_drafter(warm, peer, work, work / f"{peer}-vllm")
         for number, (name, drafter) in enumerate(drafters.items()):
             results[name] = serve_and_measure(
                 story.world, drafter, work / f"server-{number}", 8300 + number, story.prompts
