@@ -132,16 +132,16 @@ class StepWeights:
     temporaries. One per chain; without autograd (no_grad) it is F.linear."""
 
     def __init__(self) -> None:
-        self._aliases: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}
+        self._aliases: dict[torch.Tensor, tuple[torch.Tensor, list]] = {}  # by identity
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
         """`columns_linear`, its weight gradient chained."""
         if not torch.is_grad_enabled():
             return columns_linear(x, weight, start)
-        if id(weight) not in self._aliases:  # the weight is kept: its id stays its own
+        if weight not in self._aliases:
             uses: list = []
-            self._aliases[id(weight)] = (weight, _ChainedWeight.apply(weight, uses), uses)
-        _, alias, uses = self._aliases[id(weight)]
+            self._aliases[weight] = (_ChainedWeight.apply(weight, uses), uses)
+        alias, uses = self._aliases[weight]
         return _ChainedLinear.apply(x, alias, uses, start)
 
 
