@@ -223,11 +223,12 @@ def test_pipeline_survives_kill_minus_9_at_every_stage(
     assert rows["finetuned"]["mean acceptance length"] == meta["mean_acceptance_length"]
     assert rows["without drafter"]["mean acceptance length"] == 1.0  # nothing drafted
     # Generations: one row per prompt, no duplicates, in both batches.
-    pool = resources_from_env(env)["prompt_pool"]
+    resources = resources_from_env(env)
+    pool, storage = resources["prompt_pool"], resources["storage"]
     for key in BATCHES:
         table = pq.read_table(data / "generations" / key / "generations.parquet")
         assert sorted(table.column("prompt_id").to_pylist()) == sorted(
-            c.prompt_id for c in pool.batch(key)
+            c.prompt_id for c in pool.batch(key, storage)
         )
     # Hidden states (the hf backend is deterministic): byte-identical to an uninterrupted run.
     killed_batch = kills[1]["partition"]

@@ -8,7 +8,7 @@ import dagster as dg
 
 from eagle3_assets.defs.checkpoint.assets import drafter_checkpoint
 from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
-from eagle3_assets.defs.generation.resources import GenerationRecipe
+from eagle3_assets.defs.generation.resources import GenerationRecipe, PromptPool
 from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.training.assets import eagle3_drafter
 from eagle3_assets.partitions import eager_on_checked_inputs
@@ -45,12 +45,14 @@ def drafter_evaluation(
     generation: GenerationRecipe,
     storage: Storage,
     vllm: VLLMServer,
+    prompt_pool: PromptPool,
 ) -> dg.MaterializeResult:
     """Acceptance before (warm start) and after (finetuned) in the serving engine, the speedup
     over the target alone, and the training-time accuracy of both on held-out shards. Each
     measurement is kept as it is taken: a re-run starts servers only for what is missing.
     Prompts are rendered with the generation's chat template kwargs: the drafter is measured on
-    the rendering it was trained on."""
+    the rendering it was trained on. With an inbox, its held-out slices are prompt sets too:
+    the newest traffic's, and the earlier files' (forgetting shows there)."""
     from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
     from eagle3_assets.lib.evaluation.evaluate import (
         BASELINE,
@@ -71,7 +73,8 @@ def drafter_evaluation(
         storage.path("evaluation", "warm_start"),
         target.shape(),
     )
-    prompt_sets = evaluation.conversations()
+    inbox = prompt_pool.open_inbox(storage)
+    prompt_sets = evaluation.conversations(inbox.evaluation_sets() if inbox else None)
     # the target's chat template: each evaluation server must render the prompts as it does
     tokenizer = target.tokenizer()
     context.log.info("prompt sets: " + ", ".join(f"{n} ({len(c)})" for n, c in prompt_sets.items()))

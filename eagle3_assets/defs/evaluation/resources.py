@@ -1,5 +1,6 @@
 """How drafters are measured in vLLM."""
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ from pydantic import Field
 from eagle3_assets.env_settings import EnvSettings, named_paths
 from eagle3_assets.lib.core.hub_files import HF_TOKEN_ENV, local_file
 from eagle3_assets.lib.evaluation.settings import Decoding, EvaluationSettings
-from eagle3_assets.lib.generation.conversations import load_conversations
+from eagle3_assets.lib.generation.conversations import Conversation, load_conversations
 from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 from eagle3_assets.resources import TargetModel
 
@@ -50,13 +51,16 @@ class EvaluationRecipe(dg.ConfigurableResource, Decoding, EnvSettings):
     }
     secrets = {"token": HF_TOKEN_ENV}
 
-    def conversations(self) -> dict[str, list[list[dict]]]:
-        """Each set's first `max_prompts` conversations (messages only), held-out set first."""
+    def conversations(
+        self, more: Mapping[str, list[Conversation]] | None = None
+    ) -> dict[str, list[list[dict]]]:
+        """Each set's first `max_prompts` conversations (messages only), held-out set first,
+        then `more` (the inbox's held-out slices)."""
         sets = {"held-out": self.heldout_prompts, **self.prompt_sets}
         loaded = {
             name: load_conversations(local_file(path, self.cache_dir, self.token))
             for name, path in sets.items()
-        }
+        } | dict(more or {})
         return {
             name: [c.messages for c in rows[: self.max_prompts]] for name, rows in loaded.items()
         }

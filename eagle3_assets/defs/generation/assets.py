@@ -42,13 +42,8 @@ def synthetic_generations(
 
     from eagle3_assets.lib.generation.batch import run_batch
 
-    batch = prompt_pool.batch(context.partition_key)
-    if not batch:
-        raise dg.Failure(
-            f"{context.partition_key} is empty: the pool at {prompt_pool.path} has no prompts "
-            f"for it (batch size {prompt_pool.batch_size})"
-        )
-    context.log.info(f"{context.partition_key}: {len(batch)} prompts from {prompt_pool.path}")
+    batch = prompt_pool.batch(context.partition_key, storage)
+    context.log.info(f"{context.partition_key}: {len(batch)} prompts from {prompt_pool.describe()}")
     summary = run_batch(
         batch,
         storage.path("generations", context.partition_key),

@@ -1,5 +1,7 @@
 """The prompts to regenerate and how every batch is sampled."""
 
+from pathlib import Path
+
 import dagster as dg
 from pydantic import Field
 
@@ -11,32 +13,54 @@ from eagle3_assets.lib.generation.conversations import (
     load_conversations,
     parse_batch_key,
 )
+from eagle3_assets.lib.generation.inbox import Inbox
 from eagle3_assets.lib.generation.settings import GenerationConfig
+from eagle3_assets.resources import Storage
 
 
 class PromptPool(dg.ConfigurableResource, EnvSettings):
-    """The conversations to regenerate, cut into fixed batches (batch k = items k*size...).
+    """The conversations to regenerate, cut into fixed batches (batch k = items k*size...):
+    the pool file's, then what each file dropped in the inbox added, in arrival order.
 
     `path`: a local JSONL/Parquet file, or `hf://datasets/<org>/<name>/<file>[@<revision>]`.
+    `inbox`: a folder (local or a mounted volume) where a gateway drops JSONL/Parquet files;
+    its ledger and snapshots live on the data volume (lib/generation/inbox.py).
     """
 
     path: str = "data/world/demo/prompts.jsonl"
     batch_size: int = Field(1000, ge=1)
     cache_dir: str | None = None  # hub cache for hf:// paths
     token: str | None = None
+    inbox: str | None = None
+    inbox_heldout_fraction: float = Field(0.1, ge=0, lt=1)
 
     env = {
         "path": "EAGLE3_PROMPTS",
         "batch_size": "EAGLE3_BATCH_SIZE",
         "cache_dir": "EAGLE3_HF_CACHE",
+        "inbox": "EAGLE3_INBOX",
+        "inbox_heldout_fraction": "EAGLE3_INBOX_HELDOUT_FRACTION",
     }
     secrets = {"token": HF_TOKEN_ENV}
 
-    def conversations(self) -> list[Conversation]:
+    def pool_file(self) -> list[Conversation]:
         return load_conversations(local_file(self.path, self.cache_dir, self.token))
 
-    def batch(self, key: str) -> list[Conversation]:
-        return batch_slice(self.conversations(), parse_batch_key(key), self.batch_size)
+    def open_inbox(self, storage: Storage) -> Inbox | None:
+        if not self.inbox:
+            return None
+        return Inbox(Path(self.inbox), storage.path("inbox"), self.inbox_heldout_fraction)
+
+    def conversations(self, storage: Storage) -> list[Conversation]:
+        pool = self.pool_file()
+        inbox = self.open_inbox(storage)
+        return pool + (inbox.conversations(len(pool)) if inbox else [])
+
+    def batch(self, key: str, storage: Storage) -> list[Conversation]:
+        return batch_slice(self.conversations(storage), parse_batch_key(key), self.batch_size)
+
+    def describe(self) -> str:
+        return self.path + (f" + inbox {self.inbox}" if self.inbox else "")
 
 
 class GenerationRecipe(dg.ConfigurableResource, GenerationConfig, EnvSettings):

@@ -1,4 +1,5 @@
-"""New batches as the prompt pool grows, and a schedule that backfills the ones not done."""
+"""New batches as the prompt pool grows (its file, or files dropped in the inbox), and a
+schedule that backfills the ones not done."""
 
 import dagster as dg
 
@@ -6,6 +7,7 @@ from eagle3_assets.defs.generation.resources import PromptPool
 from eagle3_assets.defs.serving.sensors import server_ready
 from eagle3_assets.lib.generation.conversations import batch_key
 from eagle3_assets.partitions import batches_in_flight, pending_batches, sample_batches
+from eagle3_assets.resources import Storage
 
 generate_batch_job = dg.define_asset_job(
     "generate_batch",
@@ -19,11 +21,18 @@ generate_batch_job = dg.define_asset_job(
     job=generate_batch_job,
     minimum_interval_seconds=60,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Registers every full batch of the prompt pool; runs new ones if the server is "
-    "ready (the backfill schedule catches the rest).",
+    description="Registers files new in the inbox, then every full batch of the prompt pool; "
+    "runs new batches if the server is ready (the backfill schedule catches the rest).",
 )
-def new_batches_sensor(context: dg.SensorEvaluationContext, prompt_pool: PromptPool):
-    pool_size = len(prompt_pool.conversations())
+def new_batches_sensor(
+    context: dg.SensorEvaluationContext, prompt_pool: PromptPool, storage: Storage
+):
+    inbox = prompt_pool.open_inbox(storage)
+    if inbox is not None and inbox.pending():
+        pool_ids = [c.prompt_id for c in prompt_pool.pool_file()]
+        for entry in inbox.register(pool_ids):  # a malformed file is skipped, never blocking
+            (context.log.warning if entry.error else context.log.info)(entry.describe())
+    pool_size = len(prompt_pool.conversations(storage))
     full_batches = pool_size // prompt_pool.batch_size  # a full batch never changes again
     batched = full_batches * prompt_pool.batch_size
     if context.cursor == str(batched):

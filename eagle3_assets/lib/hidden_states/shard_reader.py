@@ -13,7 +13,6 @@ the same shards and never share a sample.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.hidden_states.extract import read_manifest
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile
 
@@ -122,13 +122,6 @@ def epoch_order(
             shuffled.append(buffer.pop(rng.randrange(len(buffer))))
     rng.shuffle(buffer)
     return shuffled + buffer
-
-
-def held_out(sample_id: str, fraction: float) -> bool:
-    """Whether a sample belongs to the held-out split: a stable function of its id alone, so
-    the split holds across runs, batches and ranks."""
-    digest = hashlib.sha256(sample_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
 def trained_on(fraction: float) -> Callable[[str], bool]:

@@ -43,9 +43,10 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
 )
 from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.core.layer_ids import fc_order
+from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.extract import read_manifest
-from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out, trained_on
+from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, trained_on
 from eagle3_assets.lib.hidden_states.streaming import (
     Producer,
     ProducerFailed,

@@ -9,12 +9,13 @@ from eagle3_assets.definitions import defs
 from eagle3_assets.defs.generation.resources import PromptPool
 from eagle3_assets.defs.generation.sensors import new_batches_sensor
 from eagle3_assets.partitions import sample_batches
+from eagle3_assets.resources import Storage
 
 
-def write_pool(path, count: int) -> None:
+def write_pool(path, count: int, start: int = 0) -> None:
     lines = [
         json.dumps({"prompt_id": f"p{i:03d}", "messages": [{"role": "user", "content": f"q{i}"}]})
-        for i in range(count)
+        for i in range(start, count)
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -38,9 +39,11 @@ def instance():
         yield instance
 
 
-def tick(instance, pool: PromptPool, cursor=None):
+def tick(instance, pool: PromptPool, cursor=None, storage: Storage | None = None):
     context = dg.build_sensor_context(
-        instance=instance, cursor=cursor, resources={"prompt_pool": pool}
+        instance=instance,
+        cursor=cursor,
+        resources={"prompt_pool": pool, "storage": storage or Storage(root="unused")},
     )
     return new_batches_sensor(context)
 
@@ -72,6 +75,60 @@ def test_registers_full_batches_as_the_pool_grows(instance, tmp_path):
     # A lost cursor re-reads the registered partitions: nothing is registered twice.
     again = tick(instance, pool, cursor=None)
     assert again.dynamic_partitions_requests == [] and again.run_requests == []
+
+
+def sensor_log(capfd) -> dict[str, list[str]]:
+    """The sensor's log lines since the last call, by level, as the daemon's log shows them."""
+    lines = capfd.readouterr().err.splitlines()
+    levels = {"INFO": [], "WARNING": []}
+    for line in lines:
+        for level, messages in levels.items():
+            if f" - dagster - {level} - " in line:
+                messages.append(line.split(f" - dagster - {level} - ", 1)[1])
+    return levels
+
+
+def test_registers_batches_from_files_dropped_in_the_inbox(instance, tmp_path, capfd):
+    inbox, storage = tmp_path / "inbox", Storage(root=str(tmp_path / "data"))
+    inbox.mkdir()
+    write_pool(tmp_path / "pool.jsonl", 10)
+    pool = PromptPool(
+        path=str(tmp_path / "pool.jsonl"), batch_size=10, inbox=str(inbox),
+        inbox_heldout_fraction=0.2,
+    )  # fmt: skip
+    write_pool(inbox / "0001.jsonl", 40, start=5)  # p005..p009 are the pool's
+    (inbox / "0002.jsonl").write_text('{"prompt_id": "x", "messages": \n')
+    observe_server(instance, "ready")
+
+    first = tick(instance, pool, storage=storage)
+
+    ledger = pool.open_inbox(storage).ledger()
+    assert [(e.name, e.records, e.duplicates) for e in ledger] == [
+        ("0001.jsonl", 35, 5),
+        ("0002.jsonl", 0, 0),
+    ]
+    added, held = ledger[0].added, ledger[0].held_out
+    assert added + held == 30
+    full = (10 + added) // 10
+    (request,) = first.dynamic_partitions_requests
+    assert list(request.partition_keys) == [f"batch-0000{i}" for i in range(full)]
+    assert [r.partition_key for r in first.run_requests] == list(request.partition_keys)
+    log = sensor_log(capfd)
+    (warning,) = log["WARNING"]
+    assert warning.startswith(f"0002.jsonl: skipped, {inbox / '0002.jsonl'}:1: not JSON")
+    assert (
+        f"0001.jsonl: 35 prompts, {added} added for training, {held} held out for evaluation, "
+        "5 duplicates"
+    ) in log["INFO"]
+    apply(instance, first)
+    batched = [c.prompt_id for k in request.partition_keys for c in pool.batch(k, storage)]
+    assert batched[:10] == [f"p{i:03d}" for i in range(10)]  # the pool file first
+    evaluation = pool.open_inbox(storage).evaluation_sets()
+    assert not {c.prompt_id for rows in evaluation.values() for c in rows} & set(batched)
+
+    again = tick(instance, pool, first.cursor, storage=storage)  # the bad file is not retried
+    assert isinstance(again, dg.SkipReason)
+    assert sensor_log(capfd)["WARNING"] == []
 
 
 def materialize_batch(instance, key: str) -> None:

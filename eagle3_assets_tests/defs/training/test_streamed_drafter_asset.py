@@ -22,7 +22,7 @@ from eagle3_assets.defs.generation.assets import synthetic_generations
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.assets import build_eagle3_drafter
 from eagle3_assets.defs.training.resources import TrainingRecipe
-from eagle3_assets.lib.hidden_states.shard_reader import held_out
+from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets_tests.conftest import vllm_extraction
 
 pytestmark = pytest.mark.vllm

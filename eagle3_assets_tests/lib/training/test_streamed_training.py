@@ -20,11 +20,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, extract_batch, human_bytes
 from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
-from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
+from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
 from eagle3_assets.lib.hidden_states.streaming import (
     StreamedSamples,
     StreamSpec,

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.hidden_states.extract import (
     ExtractionSettings,
     LayerSelection,
@@ -22,7 +23,7 @@ from eagle3_assets.lib.hidden_states.extract import (
 )
 from eagle3_assets.lib.hidden_states.hf_backend import HFTarget
 from eagle3_assets.lib.hidden_states.shard_format import ShardFormat
-from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, held_out
+from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
 from eagle3_assets.lib.hidden_states.token_sequences import build_sequences
 from eagle3_assets.lib.training.train_drafter import Interrupted, RunConfig, heldout_accuracy, train
 from eagle3_assets.lib.training.ttt import TargetHead, derive_vocab_maps, teacher
