@@ -11,6 +11,7 @@ from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
 from eagle3_assets.defs.generation.resources import GenerationRecipe, PromptPool
 from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.training.assets import eagle3_drafter
+from eagle3_assets.lib.evaluation.promotion import Registry
 from eagle3_assets.partitions import eager_on_checked_inputs
 from eagle3_assets.resources import Storage, TargetModel
 
@@ -58,6 +59,7 @@ def drafter_evaluation(
         BASELINE,
         COMPARISON_COLUMNS,
         Contender,
+        acceptance_by_set,
         comparison_rows,
         evaluate,
         per_position_chart,
@@ -67,7 +69,7 @@ def drafter_evaluation(
     from eagle3_assets.lib.serving.vllm_launcher import serve_line
     from eagle3_assets.lib.training.train_drafter import RunConfig, trained_aux_layers
 
-    finetuned = _finetuned_export(context)
+    finetuned, lineage = _finetuned_export(context)
     warm_start = export_for_vllm(
         storage.path("drafter", "warm_start"),
         storage.path("evaluation", "warm_start"),
@@ -78,11 +80,15 @@ def drafter_evaluation(
     # the target's chat template: each evaluation server must render the prompts as it does
     tokenizer = target.tokenizer()
     context.log.info("prompt sets: " + ", ".join(f"{n} ({len(c)})" for n, c in prompt_sets.items()))
+    # the drafter a candidate must beat to be promoted, measured in the same run
+    promoted = Registry(storage.path("promotion")).current()
+    incumbent = [Contender(promoted.name, Path(promoted.path))] if promoted else []
     measurements = evaluate(
         evaluation.launch_spec(target, storage.path("evaluation", "vllm"), vllm.served_model_name),
         [
             Contender(BASELINE, None),
             Contender(WARM_START, warm_start),
+            *incumbent,
             Contender(FINETUNED, finetuned),
         ],
         prompt_sets,
@@ -108,6 +114,9 @@ def drafter_evaluation(
                 per_position_chart(measurements, HELD_OUT)
             ),
             "mean_acceptance_length": round(after.acceptance.mean_length, 3),
+            "acceptance_by_set": dg.MetadataValue.json(acceptance_by_set(measurements)),
+            "incumbent": promoted.name if promoted else WARM_START,
+            "lineage": dg.MetadataValue.json(lineage),
             "mean_acceptance_length_warm_start": round(before.acceptance.mean_length, 3),
             "acceptance_rate": round(after.acceptance_rate, 4),
             "per_position": dg.MetadataValue.json(
@@ -143,15 +152,24 @@ def drafter_evaluation(
     )
 
 
-def _finetuned_export(context: dg.AssetExecutionContext) -> Path:
-    """The directory eagle3_drafter last exported for vLLM."""
+def _finetuned_export(context: dg.AssetExecutionContext) -> tuple[Path, dict]:
+    """The directory eagle3_drafter last exported for vLLM, and its lineage: what it learnt
+    from (the batches, the warm start) and how (steps)."""
     event = context.instance.get_latest_materialization_event(dg.AssetKey("eagle3_drafter"))
     if event is None or "export" not in event.asset_materialization.metadata:
         raise dg.Failure("no exported eagle3_drafter: materialize eagle3_drafter first")
-    export = Path(event.asset_materialization.metadata["export"].value)
+    meta = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    export = Path(meta["export"])
     if not (export / "config.json").exists():
         raise dg.Failure(f"eagle3_drafter's export {export} is gone: materialize it again")
-    return export
+    lineage = {
+        "export": str(export),
+        "run_id": event.run_id,
+        "batches": meta["batches"].split(", "),
+        "warm_start": meta["warm_start_version"],
+        "steps": meta.get("steps"),
+    }
+    return export, lineage
 
 
 def _offline_accuracy(

@@ -24,6 +24,8 @@ class EvaluationRecipe(dg.ConfigurableResource, Decoding, EnvSettings):
     prompt_sets: dict[str, str] = {}  # more sets by name, e.g. {"mt-bench": "mt_bench.jsonl"}
     max_prompts: int = Field(200, ge=1)  # per set
     min_acceptance_rate: float = Field(0.05, ge=0, le=1)  # blocking check: below is "near zero"
+    # promoted_drafter: a candidate must beat the promoted drafter by this much on every set
+    promotion_margin: float = Field(0.02, ge=0)
     serving_python: str = ".venv-vllm/bin/python"
     port: int = Field(8020, ge=1, le=65535)
     tensor_parallel_size: int = Field(1, ge=1)
@@ -41,6 +43,7 @@ class EvaluationRecipe(dg.ConfigurableResource, Decoding, EnvSettings):
         "concurrency": "EAGLE3_EVAL_CONCURRENCY",
         "num_speculative_tokens": "EAGLE3_SPECULATIVE_TOKENS",
         "min_acceptance_rate": "EAGLE3_MIN_ACCEPTANCE_RATE",
+        "promotion_margin": "EAGLE3_PROMOTION_MARGIN",
         "serving_python": "EAGLE3_SERVING_PYTHON",
         "port": "EAGLE3_EVAL_PORT",
         "tensor_parallel_size": "EAGLE3_EVAL_TP",

@@ -19,6 +19,7 @@ from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES, batch_sequences
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
+from eagle3_assets.lib.evaluation.promotion import Registry, Version
 from eagle3_assets.lib.hidden_states.batch_selection import BatchSelection, select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses
@@ -103,6 +104,41 @@ def streamed_run(
     return dataclasses.asdict(spec), digest.hexdigest()
 
 
+def training_data(
+    usable: list[str], promoted: Version | None, share: float, storage: Storage
+) -> tuple[list[str], list[str]]:
+    """The batches a run learns from and, by id, the samples it leaves out. Before any
+    promotion: every usable batch, whole. After one: the run warm-starts from the promoted
+    drafter, so it needs batches new since it, and of the batches it learnt only the replay
+    share is read again."""
+    import pyarrow.parquet as pq
+
+    from eagle3_assets.lib.generation.store import FINAL_NAME
+    from eagle3_assets.lib.training.replay import replay_exclusions
+
+    if promoted is None:
+        return [], []
+    learnt = set(promoted.lineage["batches"])
+    new = [b for b in usable if b not in learnt]
+    if not new:
+        raise dg.Failure(
+            f"no usable batch is new since {promoted.name}, which learnt "
+            f"{', '.join(sorted(learnt))}: drop new prompt files in EAGLE3_INBOX (or grow the "
+            "pool) and generate their batches first"
+        )
+    ids = [
+        prompt_id
+        for batch in usable
+        if batch in learnt
+        for prompt_id in pq.read_table(
+            storage.path("generations", batch, FINAL_NAME), columns=["prompt_id"]
+        )
+        .column("prompt_id")
+        .to_pylist()
+    ]
+    return new, replay_exclusions(ids, share)
+
+
 DESCRIPTIONS = {
     "stored": " Hidden states stored: it reads the shards of every extracted batch.",
     "streamed": " Hidden states streamed: extracted from every batch of generations while it "
@@ -112,10 +148,11 @@ DESCRIPTIONS = {
 
 DRAFTER = """The warm-start drafter finetuned on every batch whose checks passed, exported for
 vLLM; a batch whose latest check evaluation failed (or that was never checked) is left out and
-named. The run directory is keyed by the data and the recipe, so a cancelled or killed run
-resumes from its last checkpoint when materialized again, and new batches start a new run.
-Dagster launches node 0 (as a subprocess or a Kubernetes pod); other nodes join with the
-logged command."""
+named. After a promotion it warm-starts from the promoted drafter instead, on the batches new
+since it plus a replay share (EAGLE3_REPLAY_SHARE, by sample id) of those it learnt. The run
+directory is keyed by the data and the recipe, so a cancelled or killed run resumes from its
+last checkpoint when materialized again, and new batches start a new run. Dagster launches
+node 0 (as a subprocess or a Kubernetes pod); other nodes join with the logged command."""
 
 
 def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
@@ -157,19 +194,31 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
                 ),
                 metadata={"excluded_batches": "\n".join(left_out) or "none"},
             )
-        warm_start = storage.path("drafter", "warm_start")
+        promoted = Registry(storage.path("promotion")).current()
+        warm_start = Path(promoted.path) if promoted else storage.path("drafter", "warm_start")
+        new, exclude = training_data(selection.usable, promoted, training.replay_share, storage)
+        if promoted is not None:
+            context.log.info(
+                f"warm start {promoted.name}: {len(new)} new batches ({', '.join(new)}); of the "
+                f"batches it learnt, {training.replay_share:.0%} replayed by id "
+                f"({len(exclude)} samples left out)"
+            )
         context.add_asset_metadata(
             {
                 "hidden_states": mode,
                 "batches": ", ".join(selection.usable),
+                "new_batches": ", ".join(new or selection.usable),
+                "replay_excluded_samples": len(exclude),
                 "excluded_batches": "\n".join(left_out) or "none",
                 "target": target.path,
                 "warm_start": dg.MetadataValue.path(str(warm_start)),
+                "warm_start_version": promoted.name if promoted else "hub warm start",
             }
         )
         run: dict = {
             "warm_start": str(warm_start),
             "target": target.path,
+            "exclude_samples": exclude,
             **training.run_settings(),
         }
         if mode == "streamed":

@@ -23,6 +23,7 @@ class TrainingRecipe(dg.ConfigurableResource, TrainingSettings, EnvSettings):
         "nnodes": "EAGLE3_TRAIN_NNODES",
         "rdzv_endpoint": "EAGLE3_TRAIN_RDZV_ENDPOINT",
         "holdout_fraction": "EAGLE3_HOLDOUT_FRACTION",
+        "replay_share": "EAGLE3_REPLAY_SHARE",
     }
 
 

@@ -29,3 +29,12 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def tree_sha256(directory: Path) -> str:
+    """One hash of a folder's files, names and bytes (a drafter: its config and weights)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file():
+            digest.update(f"{path.name}\0{file_sha256(path)}\0".encode())
+    return digest.hexdigest()

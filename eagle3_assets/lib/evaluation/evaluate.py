@@ -93,7 +93,8 @@ def evaluate(
         served = serving_spec(spec, contender, settings)
         drafter = _file_hashes(contender.drafter) if contender.drafter else None  # once: GBs
         files = {
-            name: results_dir / f"{_key(served, drafter, conversations, settings)}.json"
+            name: results_dir
+            / f"{_key(served, contender.drafter, drafter, conversations, settings)}.json"
             for name, conversations in prompt_sets.items()
         }
         todo = [name for name, path in files.items() if not path.exists()]
@@ -171,14 +172,19 @@ def _file_hashes(directory: Path) -> dict[str, str]:
 
 def _key(
     spec: VLLMLaunchSpec,
+    drafter_dir: Path | None,
     drafter: dict[str, str] | None,
     conversations: list[list[dict]],
     settings: EvaluationSettings,
 ) -> str:
-    """What decides a measurement: the server command, the drafter's bytes, the prompts and
-    the settings (the chat template kwargs that render the prompts among them)."""
+    """What decides a measurement: the server command, the drafter's bytes (not where they
+    lie: a promoted copy of a measured drafter is measured already), the prompts and the
+    settings (the chat template kwargs that render the prompts among them)."""
+    command = build_command(dataclasses.replace(spec, port=0, run_dir=Path(".")))
+    if drafter_dir is not None:
+        command = [arg.replace(str(drafter_dir), "<drafter>") for arg in command]
     decided_by = {
-        "command": build_command(dataclasses.replace(spec, port=0, run_dir=Path("."))),
+        "command": command,
         "drafter": drafter,
         "prompts": conversations,
         "settings": settings.model_dump(),
@@ -201,6 +207,15 @@ def served_aux_layers(log_file: Path, drafter: Path) -> tuple[int, ...]:
     if found:
         return tuple(int(i) for i in found[-1].split(",") if i.strip())
     return tuple(json.loads((drafter / "config.json").read_text())[KEY])
+
+
+def acceptance_by_set(measurements: Sequence[Measurement]) -> dict[str, dict[str, float]]:
+    """contender -> prompt set -> mean acceptance length, for every drafter measured."""
+    table: dict[str, dict[str, float]] = {}
+    for m in measurements:
+        if m.contender != BASELINE:
+            table.setdefault(m.contender, {})[m.prompt_set] = round(m.acceptance.mean_length, 3)
+    return table
 
 
 def speedup(measurements: Sequence[Measurement], contender: str, prompt_set: str) -> float:

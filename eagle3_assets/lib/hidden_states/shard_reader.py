@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -124,6 +124,8 @@ def epoch_order(
     return shuffled + buffer
 
 
-def trained_on(fraction: float) -> Callable[[str], bool]:
-    """`select` for the samples a training run reads: every one not held out."""
-    return lambda sample_id: not held_out(sample_id, fraction)
+def trained_on(fraction: float, exclude: Collection[str] = ()) -> Callable[[str], bool]:
+    """`select` for the samples a training run reads: every one neither held out nor in
+    `exclude` (learnt batches' samples outside the replay share)."""
+    left_out = frozenset(exclude)
+    return lambda sample_id: not held_out(sample_id, fraction) and sample_id not in left_out

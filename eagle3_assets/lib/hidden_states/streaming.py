@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -281,6 +281,7 @@ class ProducerRun:
     batch_size: int
     steps: int  # steps still to train
     starts: list[list[int]]  # per rank: [epoch, position]
+    exclude_samples: list[str] = field(default_factory=list)  # as RunConfig's
 
 
 def schedule(
@@ -315,7 +316,7 @@ def produce(run: ProducerRun, log: Callable[[str], None] = print) -> dict:
     settings = spec.extraction()
     extraction = settings.extraction()
     fmt = extraction.format
-    select = trained_on(run.holdout_fraction)
+    select = trained_on(run.holdout_fraction, run.exclude_samples)
     batches = read_sequences(Path(spec.sequences))  # once, shared by every rank's order
     readers = [
         StreamedSamples(

@@ -15,13 +15,16 @@ class TrainingSettings(BaseModel):
     checkpoint_every: int = Field(100, ge=1)
     seed: int = 0
     holdout_fraction: float = Field(0.02, ge=0, lt=1)  # samples never trained on, by id
+    # after a promotion: the share of the promoted drafter's batches trained on again, by id,
+    # beside every new batch (against forgetting)
+    replay_share: float = Field(0.5, ge=0, le=1)
     nproc: int = Field(1, ge=1)  # torchrun ranks per node: GPUs on a GPU node
     nnodes: int = Field(1, ge=1)  # the node Dagster launches is node 0, the others join it
     rdzv_endpoint: str | None = None  # "host:port" on node 0, reachable from every node
 
     def run_settings(self) -> dict:
         """The fields a training run's RunConfig takes (the ranks are torchrun's business)."""
-        return self.model_dump(exclude={"nproc", "nnodes", "rdzv_endpoint"})
+        return self.model_dump(exclude={"nproc", "nnodes", "rdzv_endpoint", "replay_share"})
 
 
 DEFAULTS = TrainingSettings()

@@ -99,6 +99,7 @@ class RunConfig:
     draft_vocab_size: int = 32000  # from scratch only (a warm start has its own)
     holdout_fraction: float = DEFAULTS.holdout_fraction  # kept out for heldout_accuracy
     stream: dict | None = None  # a StreamSpec: states streamed, not read from batch_dirs
+    exclude_samples: list[str] = field(default_factory=list)  # by id: outside the replay share
 
     @classmethod
     def from_json(cls, path: Path) -> RunConfig:
@@ -132,7 +133,7 @@ def _rank() -> tuple[int, int]:
 
 def _reader(config: RunConfig, rank: int, world: int) -> ShardReader | StreamedSamples:
     """This rank's training samples, stored or streamed, held-out ones left out by id."""
-    select = trained_on(config.holdout_fraction)
+    select = trained_on(config.holdout_fraction, config.exclude_samples)
     if config.stream is not None:
         spec = StreamSpec(**config.stream)
         return StreamedSamples(spec, config.seed, rank, world, config.shuffle_buffer, select=select)
@@ -286,6 +287,7 @@ def _start_producer(
             world_size=world,
             shuffle_buffer=config.shuffle_buffer,
             holdout_fraction=config.holdout_fraction,
+            exclude_samples=config.exclude_samples,
             batch_size=config.batch_size,
             steps=config.steps - progress.step,
             starts=starts,

@@ -194,6 +194,41 @@ def test_the_finetuned_drafter_beats_the_warm_start_in_vllm(evaluated, story, te
     assert check.metadata["served_aux_layers"].value == [3, 5, 6]
 
 
+def test_the_finetuned_drafter_is_promoted_over_the_warm_start(evaluated, story, test_world):
+    definitions, instance = story
+    evaluation = metadata(instance, "drafter_evaluation")
+    acceptance = evaluation["acceptance_by_set"]
+    assert evaluation["incumbent"] == "warm start"
+    assert sorted(acceptance) == ["finetuned", "warm start"]
+    assert acceptance["finetuned"]["held-out"] == evaluation["mean_acceptance_length"]
+
+    run = materialize(definitions, instance, "promoted_drafter")
+    assert run.success
+    (check,) = run.get_asset_check_evaluations()
+    assert (check.check_name, check.passed) == ("candidate_beats_promoted", True)
+    assert check.description == "beats warm start on every set"
+    meta = metadata(instance, "promoted_drafter")
+    assert (meta["serving"], meta["versions"], meta["verdict"]) == ("promoted v001", 1, "promoted")
+    version = Path(meta["path"])
+    assert version.name == "v001"
+    export = Path(evaluation["export"])
+    assert (version / "model.safetensors").read_bytes() == (
+        export / "model.safetensors"
+    ).read_bytes()
+    finetuned = acceptance["finetuned"]
+    row = ", ".join(f"{s} {finetuned[s]:.3f}" for s in finetuned)
+    assert meta["history"].splitlines()[-1] == f"| 1 | {row} | warm start | promoted | v001 |"
+    lineage = json.loads((version.parent / "v001.json").read_text())["lineage"]
+    assert lineage["batches"] == metadata(instance, "eagle3_drafter")["batches"].split(", ")
+    assert lineage["warm_start"] == "hub warm start"
+
+    # the next training warm-starts from v001 and needs batches it has not learnt
+    again = materialize(definitions, instance, "eagle3_drafter")
+    assert not again.success
+    (failure,) = [e for e in again.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "no usable batch is new since promoted v001" in str(failure.event_specific_data)
+
+
 def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, test_world):
     definitions, instance = story
     export = Path(metadata(instance, "eagle3_drafter")["export"])
@@ -213,5 +248,29 @@ def test_a_drafter_reading_the_wrong_layers_fails_the_check(evaluated, story, te
     assert "fix eagle_aux_hidden_state_layer_ids" in evaluation.description
     assert not run.success, "a failed blocking check fails the run"
     logs = [r.user_message for r in instance.all_logs(run.run_id)]
-    # the plain and warm-start servers were measured before: only the broken one started
+    # the plain, warm-start and promoted servers were measured before (v001 is a copy of the
+    # finetuned drafter measured then): only the broken one started
     assert sum("starting vLLM" in m for m in logs) == 1, logs
+
+
+def test_a_worse_candidate_is_refused_and_the_promoted_drafter_stays(evaluated, story):
+    definitions, instance = story
+    evaluation = metadata(instance, "drafter_evaluation")  # the broken drafter's evaluation
+    assert evaluation["incumbent"] == "promoted v001"
+    acceptance = evaluation["acceptance_by_set"]
+    print(acceptance)  # shown by `pytest -rP`
+
+    run = materialize(definitions, instance, "promoted_drafter")
+    (check,) = run.get_asset_check_evaluations()
+    assert not check.passed and not run.success
+    candidate, incumbent = acceptance["finetuned"], acceptance["promoted v001"]
+    short = [s for s in incumbent if candidate[s] < incumbent[s] * 1.02]
+    assert short  # the broken drafter gains nothing over the one it was copied from
+    assert check.description.split("; ") == [
+        f"{s}: {candidate[s]:.3f} vs promoted v001 {incumbent[s]:.3f} (needs >= "
+        f"{incumbent[s] * 1.02:.3f}, margin 2%)"
+        for s in short
+    ]
+    meta = metadata(instance, "promoted_drafter")
+    assert (meta["serving"], meta["versions"], meta["verdict"]) == ("promoted v001", 1, "refused")
+    assert meta["history"].splitlines()[-1].endswith("| promoted v001 | refused | v001 |")
