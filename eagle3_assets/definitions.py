@@ -13,7 +13,8 @@ from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
 from eagle3_assets.defs.generation.resources import GenerationRecipe, PromptPool
 from eagle3_assets.defs.generation.sensors import batch_backfill_schedule
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
-from eagle3_assets.defs.serving.resources import VLLMServer
+from eagle3_assets.defs.serving.resources import ServingReplicas, VLLMServer
+from eagle3_assets.defs.serving.rollout import maintenance_schedule
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
 from eagle3_assets.defs.training.sensors import drafter_automation
 from eagle3_assets.env_settings import EnvSettings
@@ -30,6 +31,7 @@ RESOURCES = {
     "evaluation": EvaluationRecipe,
     "training_launcher": TrainingLauncher,
     "drafter_hub": DrafterHub,
+    "serving": ServingReplicas,
 }
 
 
@@ -39,8 +41,13 @@ class Automation(EnvSettings):
 
     drafter_automation: bool = False
     backfill_cron: str = Field("*/15 * * * *", min_length=9)
+    maintenance_cron: str = Field("0 3 * * *", min_length=9)  # serving restarts: at night
 
-    env = {"drafter_automation": "EAGLE3_AUTOMATION", "backfill_cron": "EAGLE3_BACKFILL_CRON"}
+    env = {
+        "drafter_automation": "EAGLE3_AUTOMATION",
+        "backfill_cron": "EAGLE3_BACKFILL_CRON",
+        "maintenance_cron": "EAGLE3_MAINTENANCE_CRON",
+    }
 
 
 def resources_from_env(environ: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -58,7 +65,10 @@ def defs() -> dg.Definitions:
         dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
         dg.Definitions(
             sensors=[drafter_automation(automation.drafter_automation, streamed)],
-            schedules=[batch_backfill_schedule(automation.backfill_cron)],
+            schedules=[
+                batch_backfill_schedule(automation.backfill_cron),
+                maintenance_schedule(automation.maintenance_cron),
+            ],
             # Independent steps (the drafter download, a generation batch) run side by side.
             executor=dg.multiprocess_executor.configured({"max_concurrent": 4}),
             resources=resources,

@@ -37,3 +37,13 @@ class VLLMServer(dg.ConfigurableResource, EnvSettings):
         return smoke_chat(
             base_url, self.served_model_name, messages, max_tokens, api_key=self.api_key
         )
+
+
+class ServingReplicas(dg.ConfigurableResource, EnvSettings):
+    """The serving replicas Dagster may restart with a newly promoted drafter: the launcher's
+    run dirs (`vllm_launcher start --run-dir`), one per replica, in rollout order. Empty:
+    serving is started and restarted outside Dagster."""
+
+    run_dirs: list[str] = []
+
+    env = {"run_dirs": ("EAGLE3_SERVING_RUN_DIRS", comma_list)}

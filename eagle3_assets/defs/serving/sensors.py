@@ -96,7 +96,10 @@ def _observation(url: str, readiness: Readiness, model: str, now: float) -> dg.A
             "max_model_len": readiness.max_model_len,
             "vllm_version": readiness.version or "unknown",
             "instance_id": readiness.instance_id,
+            "drafting": readiness.drafting,
         }
+        if readiness.acceptance_length is not None:  # from its /metrics: the drafter works
+            metadata["mean_acceptance_length"] = round(readiness.acceptance_length, 3)
     return dg.AssetObservation(asset_key="vllm_server", metadata=metadata)
 
 

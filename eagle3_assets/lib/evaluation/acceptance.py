@@ -16,11 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_assets.lib.serving.vllm_probe import fetch_metrics, smoke_chat
+from eagle3_assets.lib.serving.vllm_probe import ACCEPTED, DRAFTS, fetch_metrics, smoke_chat
 
-DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 GENERATED = "vllm:generation_tokens_total"
 PROMPT = "vllm:prompt_tokens_total"

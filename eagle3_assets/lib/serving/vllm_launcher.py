@@ -223,9 +223,43 @@ def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
             cwd=spec.run_dir,
         )
     spec.pid_file.write_text(f"{process.pid}\n")
-    record = {"pid": process.pid, "base_url": spec.base_url, **_fingerprint(spec)}
+    record = {
+        "pid": process.pid,
+        "base_url": spec.base_url,
+        **_fingerprint(spec),
+        "spec": spec_to_json(spec),
+    }
     (spec.run_dir / "launch.json").write_text(json.dumps(record, indent=2))
     return process.pid
+
+
+def spec_to_json(spec: VLLMLaunchSpec) -> dict:
+    return {**dataclasses.asdict(spec), "python": str(spec.python), "run_dir": str(spec.run_dir)}
+
+
+def spec_from_json(data: dict) -> VLLMLaunchSpec:
+    return VLLMLaunchSpec(
+        **{
+            **data,
+            "python": Path(data["python"]),
+            "run_dir": Path(data["run_dir"]),
+            "extra_args": tuple(data["extra_args"]),
+        }
+    )
+
+
+def launched_spec(run_dir: Path) -> VLLMLaunchSpec:
+    """How the server in `run_dir` was last started (launch.json): what a restart repeats."""
+    try:
+        record = json.loads((Path(run_dir) / "launch.json").read_text())
+    except FileNotFoundError:
+        raise LaunchError(
+            f"{run_dir}: no launch.json: start the server with `python -m "
+            "eagle3_assets.lib.serving.vllm_launcher start --run-dir ...` first"
+        ) from None
+    if "spec" not in record:
+        raise LaunchError(f"{run_dir}/launch.json predates restarts: start the server again")
+    return spec_from_json(record["spec"])
 
 
 def _fingerprint(spec: VLLMLaunchSpec) -> dict:
@@ -329,6 +363,12 @@ def log_tail(spec: VLLMLaunchSpec, lines: int = 30) -> str:
 
 
 def _spec_from_args(args: argparse.Namespace) -> VLLMLaunchSpec:
+    speculative = json.loads(args.speculative_config) if args.speculative_config else None
+    if args.promoted:  # the promoted drafter, if any: what serving should use
+        from eagle3_assets.lib.evaluation.promotion import Registry
+
+        if (version := Registry(Path(args.promoted)).current()) is not None:
+            speculative = eagle3_speculative_config(Path(version.path), args.speculative_tokens)
     return VLLMLaunchSpec(
         model=args.model,
         python=Path(args.python),
@@ -339,7 +379,7 @@ def _spec_from_args(args: argparse.Namespace) -> VLLMLaunchSpec:
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
-        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        speculative_config=speculative,
         enforce_eager=args.enforce_eager,
         trust_remote_code=args.trust_remote_code,
         engine_ready_timeout_s=args.engine_ready_timeout_s,
@@ -352,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-vllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="action", required=True)
     spec_default = {f.name: f.default for f in dataclasses.fields(VLLMLaunchSpec)}
+    from eagle3_assets.lib.evaluation.settings import Decoding  # pydantic: only for the CLI
+
+    tokens = Decoding.model_fields["num_speculative_tokens"].default
     for action in ("start", "command"):
         p = sub.add_parser(action, help=f"{action} a server's command line")
         p.add_argument("--model", required=True)
@@ -366,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-model-len", type=int)
         p.add_argument("--dtype")
         p.add_argument("--speculative-config", help="JSON, as vLLM takes it")
+        p.add_argument(
+            "--promoted",
+            help="the promotion folder on the data volume (data/promotion): serve its promoted "
+            "drafter as eagle3 speculator, if one was promoted (overrides --speculative-config)",
+        )
+        p.add_argument("--speculative-tokens", type=int, default=tokens, help="with --promoted")
         p.add_argument("--enforce-eager", action="store_true")
         p.add_argument("--trust-remote-code", action="store_true")
         p.add_argument(

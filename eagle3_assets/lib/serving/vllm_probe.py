@@ -19,6 +19,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 
+DRAFTS = "vllm:spec_decode_num_drafts_total"  # counters of a server with a drafter
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
 class Reach(StrEnum):
     """What the transport saw, before any HTTP status is considered."""
 
@@ -39,6 +43,8 @@ class Probe:
     max_model_len: int | None = None
     version: str | None = None
     process_start_time: float | None = None
+    drafts: float = 0.0  # speculative decoding since the start: drafts, and tokens accepted
+    accepted: float = 0.0
     error: str | None = None
 
     @property
@@ -103,6 +109,8 @@ def probe(base_url: str, timeout_s: float = 2.0, api_key: str | None = None) -> 
         max_model_len=next((m.get("max_model_len") for m in models), None),
         version=version,
         process_start_time=next(iter(start_times.values())) if start_times else None,
+        drafts=sum(metrics.get(DRAFTS, {}).values()),
+        accepted=sum(metrics.get(ACCEPTED, {}).values()),
     )
 
 
@@ -204,6 +212,8 @@ class Readiness:
     version: str | None = None
     detail: str = ""
     ready_count: int = 0  # ready transitions seen: the instance id of last resort
+    drafting: bool = False  # this instance's /metrics counted drafts: its drafter is in use
+    acceptance_length: float | None = None  # 1 + accepted / drafts, when drafting began
 
     def to_json(self) -> dict:
         return {**asdict(self), "state": self.state.value}
@@ -221,7 +231,11 @@ def advance(
     if state is ServerState.READY:
         # a new process start between two probes (a restart faster than a tick) is a new server
         restarted = seen.instance_id is not None and seen.instance_id != previous.instance_id
+        drafting = bool(seen.drafts)
+        acceptance = 1 + seen.accepted / seen.drafts if drafting else None
         if previous.state is ServerState.READY and not restarted:
+            if drafting and not previous.drafting:  # the drafter's first drafts: confirmed
+                return replace(previous, detail=detail, drafting=True, acceptance_length=acceptance)
             return replace(previous, detail=detail)
         count = previous.ready_count + 1
         return replace(
@@ -235,6 +249,8 @@ def advance(
             version=seen.version,
             detail=detail,
             ready_count=count,
+            drafting=drafting,
+            acceptance_length=acceptance,
         )
     waiting = state in (ServerState.LOADING, ServerState.UNRESPONSIVE) and not previous.seen_ready
     since = previous.loading_since if previous.loading_since is not None else now
@@ -249,12 +265,14 @@ def advance(
 
 
 def worth_recording(previous: Readiness | None, current: Readiness) -> bool:
-    """Observations mark the first sighting and changes (state, overrun, a new server start)."""
-    return previous is None or (previous.state, previous.overdue, previous.instance_id) != (
-        current.state,
-        current.overdue,
-        current.instance_id,
-    )
+    """Observations mark the first sighting and changes (state, overrun, a new server start,
+    its drafter's first drafts)."""
+    return previous is None or (
+        previous.state,
+        previous.overdue,
+        previous.instance_id,
+        previous.drafting,
+    ) != (current.state, current.overdue, current.instance_id, current.drafting)
 
 
 def _state_of(previous: Readiness, seen: Probe, expected_model: str) -> tuple[ServerState, str]:

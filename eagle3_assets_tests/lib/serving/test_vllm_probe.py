@@ -108,8 +108,8 @@ def test_smoke_chat_renders_with_the_template_kwargs_given():
         assert answer["completion_tokens"] == 4
 
 
-def ready_probe(url="http://s:1", start=100.0, models=(MODEL,)) -> Probe:
-    return Probe(url, Reach.OK, 200, models, 512, "0.32.0", start)
+def ready_probe(url="http://s:1", start=100.0, models=(MODEL,), drafts=0.0, accepted=0.0) -> Probe:
+    return Probe(url, Reach.OK, 200, models, 512, "0.32.0", start, drafts, accepted)
 
 
 REFUSED = Probe("http://s:1", Reach.REFUSED, error="refused")
@@ -178,6 +178,18 @@ def test_a_restart_between_two_probes_is_a_new_instance():
     )
     assert worth_recording(ready, back)
     assert step(back, ready_probe(start=200.0), 20.0) == back  # the same start: nothing new
+
+
+def test_a_drafters_first_drafts_are_recorded_once_per_server_start():
+    ready = step(Readiness(), ready_probe(start=100.0), 0.0)
+    assert (ready.drafting, ready.acceptance_length) == (False, None)
+    drafting = step(ready, ready_probe(start=100.0, drafts=40.0, accepted=30.0), 10.0)
+    assert (drafting.drafting, drafting.acceptance_length) == (True, 1.75)
+    assert worth_recording(ready, drafting)  # the observation that confirms the drafter
+    later = step(drafting, ready_probe(start=100.0, drafts=80.0, accepted=20.0), 20.0)
+    assert later == drafting and not worth_recording(drafting, later)
+    restarted = step(later, ready_probe(start=200.0), 30.0)  # a new drafter, not yet drafting
+    assert (restarted.drafting, restarted.acceptance_length) == (False, None)
 
 
 def test_without_start_time_instances_are_counted():

@@ -1,0 +1,187 @@
+"""Serving follows promotion, on a real vLLM replica started by the launcher: `served_drafter`
+restarts it with the promoted drafter; a kill -9 of the run mid-restart leaves a server that
+the re-materialized run waits for (never none serving); a drafter that cannot load leaves the
+last good one serving; the maintenance window asks for a rollout only when something new was
+promoted.
+
+Server starts: the plain replica, the promoted drafter's (the killed run's, reused), the
+broken drafter's (it fails) and the last good one's again.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from eagle3_assets.definitions import defs
+from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
+from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.evaluation.promotion import Registry
+from eagle3_assets.lib.serving.rollout import GOOD
+from eagle3_assets.lib.serving.vllm_launcher import group_alive, read_pid, start, stop, wait_ready
+from eagle3_assets.lib.serving.vllm_probe import probe
+from eagle3_assets.localdev.hub import train_world_drafter
+from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
+from eagle3_assets_tests.conftest import REPO, free_port
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def world(test_world, serving_python, tmp_path_factory):
+    """A plain replica started by the launcher, an empty instance and data volume, and the
+    settings that point the code location at them."""
+    root = tmp_path_factory.mktemp("serving")
+    spec = miniature_server(test_world.target_v2, root / "replica", free_port(), SERVED_TARGET_NAME)
+    spec = dataclasses.replace(spec, python=serving_python)
+    start(spec)
+    home = root / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        "DAGSTER_HOME": str(home),
+        "EAGLE3_DATA_ROOT": str(root / "data"),
+        "EAGLE3_SERVING_RUN_DIRS": str(spec.run_dir),
+        "EAGLE3_VLLM_URLS": spec.base_url,
+        "EAGLE3_TARGET_MODEL": SERVED_TARGET_NAME,
+        "EAGLE3_TARGET_PATH": str(test_world.target_v2),
+        "EAGLE3_HELDOUT_PROMPTS": str(test_world.heldout_prompts),
+        "EAGLE3_EVAL_MAX_TOKENS": "32",
+    }
+    try:
+        wait_ready(spec, timeout_s=600)
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            yield spec, env, root
+    finally:
+        stop(spec.run_dir, grace_s=30)
+
+
+def promote(root: Path, drafter: Path, scores: dict) -> None:
+    """A candidate promoted in the registry (promotion itself is tested on its own)."""
+    registry = Registry(root / "data" / "promotion")
+    current = registry.current()
+    incumbent = current.name if current else "warm start"
+    registry.judge(drafter, {"batches": []}, scores, incumbent, {"held-out": 1.0}, 0.0)
+
+
+def materialize(env: dict) -> subprocess.Popen:
+    """`dagster asset materialize` as a user runs it, in its own process group."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "dagster"), "asset", "materialize", "--select",
+         "served_drafter", "-m", "eagle3_assets.definitions"],
+        env={**os.environ, **env},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def fail_dead_runs() -> None:
+    """What the daemon's run monitoring does with a run whose worker died: the run failed,
+    then its `vllm` pool slot freed (dagster.yaml: free_slots_after_run_end_seconds)."""
+    with dg.DagsterInstance.get() as instance:
+        for run in instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
+            instance.report_run_failed(run, "run worker killed")
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+
+
+def launched(spec) -> dict:
+    return json.loads((spec.run_dir / "launch.json").read_text())
+
+
+def metadata(key: str) -> dict:
+    with dg.DagsterInstance.get() as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey(key))
+        return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def drafters(test_world, tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("drafters")
+    target = TargetShape.from_config(test_world.target_v2)
+    trained = export_for_vllm(train_world_drafter(test_world, 256), scratch / "trained", target)
+    broken = shutil.copytree(trained, scratch / "broken")
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))
+    return {"trained": trained, "broken": broken}
+
+
+def test_a_run_killed_mid_restart_leaves_a_server_the_next_run_confirms(world, drafters):
+    spec, env, root = world
+    plain_pid = launched(spec)["pid"]
+    assert launched(spec)["spec"]["speculative_config"] is None
+    promote(root, drafters["trained"], {"held-out": 2.0})
+    version = root / "data" / "promotion" / "versions" / "v001"
+
+    killed = materialize(env)
+    deadline = time.monotonic() + 300
+    while launched(spec)["pid"] == plain_pid:  # the new server is starting: kill the run
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stdout.read()
+        time.sleep(0.2)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    fail_dead_runs()
+    new_pid = launched(spec)["pid"]
+    assert launched(spec)["spec"]["speculative_config"]["model"] == str(version)
+    assert not group_alive(plain_pid) and group_alive(new_pid)  # the new one loads on
+
+    again = materialize(env)
+    output, _ = again.communicate(timeout=900)
+    assert again.returncode == 0, output
+    assert f"reusing the vLLM server (pid {new_pid})" in output  # waited for, not restarted
+    assert read_pid(spec.pid_file) == new_pid
+    meta = metadata("served_drafter")
+    assert (meta["drafter"], meta["path"]) == ("promoted v001", str(version))
+    (row,) = meta["replicas"].splitlines()[2:]
+    assert row.startswith(f"| {spec.base_url} | {meta['mean_acceptance_length']:.3f} | ")
+    assert int(row.split("|")[3]) >= 1  # drafts counted in its /metrics
+    good = json.loads((spec.run_dir / GOOD).read_text())
+    assert good["speculative_config"]["model"] == str(version)
+
+
+def test_the_maintenance_window_asks_only_for_a_newly_promoted_drafter(world, drafters):
+    _, _, root = world
+    definitions = defs()
+    repository = definitions.get_repository_def()
+    schedule = repository.get_schedule_def("serving_maintenance_schedule")
+
+    def tick():
+        with dg.DagsterInstance.get() as instance:
+            context = dg.build_schedule_context(
+                instance=instance, repository_def=repository, resources=definitions.resources
+            )
+            return schedule.evaluate_tick(context)
+
+    assert tick().skip_message == "promoted v001 serves already"
+    promote(root, drafters["broken"], {"held-out": 3.0})
+    (request,) = tick().run_requests
+    assert request.run_key == "serve-promoted v002"
+
+
+def test_a_drafter_that_cannot_load_leaves_the_last_good_one_serving(world, drafters):
+    spec, env, root = world
+    assert Registry(root / "data" / "promotion").current().name == "promoted v002"  # broken
+    run = materialize(env)
+    output, _ = run.communicate(timeout=900)
+    assert run.returncode != 0
+    last_good = root / "data" / "promotion" / "versions" / "v001"
+    assert f"did not serve drafter {root / 'data' / 'promotion' / 'versions' / 'v002'}" in output, (
+        output
+    )
+    assert f"It serves its last good drafter again ({last_good})" in output
+    assert launched(spec)["spec"]["speculative_config"]["model"] == str(last_good)
+    seen = probe(spec.base_url)
+    assert seen.healthy and SERVED_TARGET_NAME in seen.model_ids
+    assert metadata("served_drafter")["drafter"] == "promoted v001"  # no new materialization
