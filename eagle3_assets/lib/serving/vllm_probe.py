@@ -18,7 +18,6 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
 DRAFTS = "vllm:spec_decode_num_drafts_total"  # counters of a server with a drafter
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
