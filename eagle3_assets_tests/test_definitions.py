@@ -24,7 +24,18 @@ def test_definitions_load_with_the_expected_graph():
         "hidden_states",
         "eagle3_drafter",
         "drafter_evaluation",
+        "promoted_drafter",
+        "served_drafter",
     }
+    assert graph.get(dg.AssetKey("promoted_drafter")).parent_keys == {
+        dg.AssetKey("drafter_evaluation")
+    }
+    assert graph.get(dg.AssetKey("served_drafter")).parent_keys == {dg.AssetKey("promoted_drafter")}
+    assert definitions.resolve_job_def(
+        "serve_promoted_drafter"
+    ).asset_layer.selected_asset_keys == {dg.AssetKey("served_drafter")}
+    window = definitions.resolve_schedule_def("serving_maintenance_schedule")
+    assert (window.cron_schedule, window.job_name) == ("0 3 * * *", "serve_promoted_drafter")
     assert graph.get(dg.AssetKey("eagle3_drafter")).parent_keys == {
         dg.AssetKey("drafter_checkpoint"),
         dg.AssetKey("hidden_states"),

@@ -234,17 +234,23 @@ def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
 
 
 def spec_to_json(spec: VLLMLaunchSpec) -> dict:
-    return {**dataclasses.asdict(spec), "python": str(spec.python), "run_dir": str(spec.run_dir)}
+    """The spec as launch.json keeps it: `extra_env` by name only (a value may be a secret)."""
+    record = {**dataclasses.asdict(spec), "python": str(spec.python), "run_dir": str(spec.run_dir)}
+    record["extra_env"] = sorted(spec.extra_env)
+    return record
 
 
 def spec_from_json(data: dict) -> VLLMLaunchSpec:
+    """The spec spec_to_json kept; LaunchError if it had extra environment variables, whose
+    values were not kept."""
+    if data["extra_env"]:
+        raise LaunchError(
+            f"the server in {data['run_dir']} was started with extra environment variables "
+            f"({', '.join(data['extra_env'])}) whose values are not kept: restart it by hand"
+        )
+    paths = {"python": Path(data["python"]), "run_dir": Path(data["run_dir"])}
     return VLLMLaunchSpec(
-        **{
-            **data,
-            "python": Path(data["python"]),
-            "run_dir": Path(data["run_dir"]),
-            "extra_args": tuple(data["extra_args"]),
-        }
+        **{**data, **paths, "extra_args": tuple(data["extra_args"]), "extra_env": {}}
     )
 
 

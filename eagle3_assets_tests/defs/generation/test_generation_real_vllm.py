@@ -38,7 +38,8 @@ def wait_idle(base_url: str, timeout_s: float = 60.0) -> None:
 
 
 def batch_ids(env: dict[str, str], key: str) -> list[str]:
-    return [c.prompt_id for c in resources_from_env(env)["prompt_pool"].batch(key)]
+    resources = resources_from_env(env)
+    return [c.prompt_id for c in resources["prompt_pool"].batch(key, resources["storage"])]
 
 
 def materialize(instance, env: dict[str, str], key: str) -> dg.ExecuteInProcessResult:

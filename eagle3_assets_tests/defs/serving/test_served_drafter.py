@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -88,10 +90,21 @@ def materialize(env: dict) -> subprocess.Popen:
     )  # fmt: skip
 
 
+@contextmanager
+def home_instance() -> Iterator[dg.DagsterInstance]:
+    """The instance at DAGSTER_HOME, not entered: DagsterInstance.__exit__ leaves it the
+    process's current defs state storage, and every later defs() load then fails."""
+    instance = dg.DagsterInstance.get()
+    try:
+        yield instance
+    finally:
+        instance.dispose()
+
+
 def fail_dead_runs() -> None:
     """What the daemon's run monitoring does with a run whose worker died: the run failed,
     then its `vllm` pool slot freed (dagster.yaml: free_slots_after_run_end_seconds)."""
-    with dg.DagsterInstance.get() as instance:
+    with home_instance() as instance:
         for run in instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
             instance.report_run_failed(run, "run worker killed")
             instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
@@ -102,7 +115,7 @@ def launched(spec) -> dict:
 
 
 def metadata(key: str) -> dict:
-    with dg.DagsterInstance.get() as instance:
+    with home_instance() as instance:
         event = instance.get_latest_materialization_event(dg.AssetKey(key))
         return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
@@ -158,7 +171,7 @@ def test_the_maintenance_window_asks_only_for_a_newly_promoted_drafter(world, dr
     schedule = repository.get_schedule_def("serving_maintenance_schedule")
 
     def tick():
-        with dg.DagsterInstance.get() as instance:
+        with home_instance() as instance:
             context = dg.build_schedule_context(
                 instance=instance, repository_def=repository, resources=definitions.resources
             )

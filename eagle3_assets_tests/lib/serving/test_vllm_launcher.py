@@ -286,3 +286,21 @@ def test_cli_start_reports_errors_without_a_traceback(tmp_path, capsys):
     assert vllm_launcher.main(argv) == 1
     assert "error: serving interpreter not found" in capsys.readouterr().err
     assert sys.exc_info() == (None, None, None)
+
+
+def test_launch_records_keep_the_spec_for_restarts_but_never_an_environment_value(tmp_path):
+    spec = vllm_launcher.VLLMLaunchSpec(
+        model="m",
+        python=Path("/venv/bin/python"),
+        run_dir=tmp_path,
+        extra_args=("--enforce-eager",),
+        speculative_config={"method": "eagle3", "model": "/d", "num_speculative_tokens": 3},
+    )
+    kept = json.loads(json.dumps(vllm_launcher.spec_to_json(spec)))
+    assert vllm_launcher.spec_from_json(kept) == spec  # what a restart repeats
+
+    secret = dataclasses.replace(spec, extra_env={"SECRET": "s3cr3t"})
+    kept = vllm_launcher.spec_to_json(secret)
+    assert kept["extra_env"] == ["SECRET"] and "s3cr3t" not in json.dumps(kept)
+    with pytest.raises(vllm_launcher.LaunchError, match=r"variables \(SECRET\) whose values"):
+        vllm_launcher.spec_from_json(kept)
