@@ -97,6 +97,88 @@ serve_promoted_job = dg.define_asset_job(
 )
 
 
+# On one node, serving's GPUs are training's: a failed step must hand them back to serving,
+# never retry training while serving restarts (the runs of this chain are not retried).
+NO_RETRIES = {"dagster/max_retries": "0"}
+
+
+@dg.op(
+    description="Stops every serving replica (EAGLE3_SERVING_RUN_DIRS): its GPUs go to training."
+)
+def stop_serving(context: dg.OpExecutionContext, serving: ServingReplicas) -> None:
+    from eagle3_assets.lib.serving.vllm_launcher import stop
+
+    if not serving.run_dirs:
+        raise dg.Failure(
+            "EAGLE3_SERVING_RUN_DIRS: expected the launcher run dirs of the serving replicas, "
+            "found none: nothing to stop"
+        )
+    for run_dir in serving.run_dirs:
+        stopped = stop(Path(run_dir))
+        context.log.info(f"{run_dir}: {'stopped' if stopped else 'was not running'}")
+
+
+@dg.job(
+    name="retrain_on_serving_node",
+    tags=NO_RETRIES,
+    description="On a node whose GPUs serving holds: serving stopped, then the drafter trained, "
+    "evaluated and judged (train_evaluate_promote), then serving restarted with the promoted "
+    "drafter, or with the last good one if anything failed (serve_promoted_drafter).",
+)
+def retrain_on_serving_node():
+    stop_serving()
+
+
+train_evaluate_promote_job = dg.define_asset_job(
+    "train_evaluate_promote",
+    selection=dg.AssetSelection.assets("eagle3_drafter", "drafter_evaluation", "promoted_drafter"),
+    description="The drafter trained, evaluated in vLLM and judged for promotion.",
+    tags=NO_RETRIES,
+)
+
+
+def once_succeeded(name: str, after, then, description: str) -> dg.SensorDefinition:
+    """A sensor that runs job `then` once a run of job `after` succeeded."""
+
+    @dg.run_status_sensor(
+        name=name,
+        run_status=dg.DagsterRunStatus.SUCCESS,
+        monitored_jobs=[after],
+        request_job=then,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=description,
+    )
+    def sensor(context: dg.RunStatusSensorContext):
+        return dg.RunRequest(run_key=context.dagster_run.run_id)
+
+    return sensor
+
+
+train_once_serving_stopped = once_succeeded(
+    "train_once_serving_stopped",
+    retrain_on_serving_node,
+    train_evaluate_promote_job,
+    "Serving stopped: train, evaluate and judge on the freed GPUs.",
+)
+serve_again_once_promoted = once_succeeded(
+    "serve_again_once_promoted",
+    train_evaluate_promote_job,
+    serve_promoted_job,
+    "Trained and judged: serve the promoted drafter again.",
+)
+
+
+@dg.run_failure_sensor(
+    monitored_jobs=[retrain_on_serving_node, train_evaluate_promote_job],
+    request_job=serve_promoted_job,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Stopping, training, evaluation or judging failed: serve the last good drafter "
+    "again.",
+)
+def serve_again_after_a_failure(context: dg.RunFailureSensorContext):
+    return dg.RunRequest(run_key=context.dagster_run.run_id)
+
+
 def maintenance_schedule(cron: str) -> dg.ScheduleDefinition:
     """Restarts serving with a newly promoted drafter on `cron` (EAGLE3_MAINTENANCE_CRON)."""
 

@@ -164,6 +164,47 @@ def test_a_run_killed_mid_restart_leaves_a_server_the_next_run_confirms(world, d
     assert good["speculative_config"]["model"] == str(version)
 
 
+def test_on_a_serving_node_training_gets_the_gpus_and_a_failure_gives_them_back(world):
+    """retrain_on_serving_node stops the replica; the sensor then asks for training, which
+    fails here (no batch to learn from); the failure sensor asks for serving again, and the
+    replica serves the promoted drafter as before."""
+    spec, env, root = world
+    definitions = defs()
+    sensors = {sensor.name: sensor for sensor in definitions.sensors}
+
+    def after(sensor: str, result) -> dg.RunRequest:
+        event = result.get_run_success_event() if result.success else result.get_run_failure_event()
+        context = dg.build_run_status_sensor_context(
+            sensor_name=sensor, dagster_instance=instance, dagster_run=result.dagster_run,
+            dagster_event=event,
+        )  # fmt: skip
+        if not result.success:
+            context = context.for_run_failure()
+        return sensors[sensor](context)
+
+    with home_instance() as instance:
+        stop = definitions.resolve_job_def("retrain_on_serving_node")
+        stopped = stop.execute_in_process(instance=instance)
+        assert stopped.success
+        assert not group_alive(launched(spec)["pid"]) and not probe(spec.base_url).healthy
+
+        train = after("train_once_serving_stopped", stopped)
+        assert train.run_key == stopped.run_id
+        job = definitions.resolve_job_def("train_evaluate_promote")
+        trained = job.execute_in_process(instance=instance, raise_on_error=False)
+        assert not trained.success
+        assert trained.dagster_run.tags["dagster/max_retries"] == "0"  # GPUs back, not retried
+        serve = after("serve_again_after_a_failure", trained)
+        assert serve.run_key == trained.run_id
+
+    run = materialize(env)  # what the requested serve_promoted_drafter run does
+    output, _ = run.communicate(timeout=900)
+    assert run.returncode == 0, output
+    assert probe(spec.base_url).healthy
+    version = root / "data" / "promotion" / "versions" / "v001"
+    assert launched(spec)["spec"]["speculative_config"]["model"] == str(version)
+
+
 def test_the_maintenance_window_asks_only_for_a_newly_promoted_drafter(world, drafters):
     _, _, root = world
     definitions = defs()
