@@ -126,14 +126,14 @@ def training_data(
             f"{', '.join(sorted(learnt))}: drop new prompt files in EAGLE3_INBOX (or grow the "
             "pool) and generate their batches first"
         )
-    ids = [
-        prompt_id
+    ids = [  # the ids hidden-state samples carry: the generation's, per prompt and recipe
+        sample_id
         for batch in usable
         if batch in learnt
-        for prompt_id in pq.read_table(
-            storage.path("generations", batch, FINAL_NAME), columns=["prompt_id"]
+        for sample_id in pq.read_table(
+            storage.path("generations", batch, FINAL_NAME), columns=["sample_id"]
         )
-        .column("prompt_id")
+        .column("sample_id")
         .to_pylist()
     ]
     return new, replay_exclusions(ids, share)
@@ -218,7 +218,7 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
         run: dict = {
             "warm_start": str(warm_start),
             "target": target.path,
-            "exclude_samples": exclude,
+            **({"exclude_samples": exclude} if exclude else {}),  # keys of earlier runs kept
             **training.run_settings(),
         }
         if mode == "streamed":

@@ -14,7 +14,8 @@ from eagle3_assets.lib.hidden_states.shard_reader import trained_on
 from eagle3_assets.lib.training.replay import replayed
 from eagle3_assets.resources import Storage
 
-BATCHES = {f"batch-0000{b}": [f"b{b}-{i:03d}" for i in range(200)] for b in range(3)}
+# sample ids as generation writes them: the prompt id and a hash of the recipe
+BATCHES = {f"batch-0000{b}": [f"b{b}-{i:03d}-1f2e3d" for i in range(200)] for b in range(3)}
 
 
 @pytest.fixture
@@ -23,7 +24,8 @@ def storage(tmp_path):
     for batch, ids in BATCHES.items():
         folder = storage.path("generations", batch)
         folder.mkdir(parents=True)
-        pq.write_table(pa.table({"prompt_id": ids}), folder / FINAL_NAME)
+        prompts = [i.rsplit("-", 1)[0] for i in ids]
+        pq.write_table(pa.table({"sample_id": ids, "prompt_id": prompts}), folder / FINAL_NAME)
     return storage
 
 
