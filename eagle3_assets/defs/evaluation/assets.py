@@ -162,11 +162,11 @@ def _finetuned_export(context: dg.AssetExecutionContext) -> tuple[Path, dict]:
     export = Path(meta["export"])
     if not (export / "config.json").exists():
         raise dg.Failure(f"eagle3_drafter's export {export} is gone: materialize it again")
-    lineage = {
+    lineage = {  # a drafter materialized before versions were kept learnt from the hub's
         "export": str(export),
         "run_id": event.run_id,
-        "batches": meta["batches"].split(", "),
-        "warm_start": meta["warm_start_version"],
+        "batches": meta["batches"].split(", ") if meta.get("batches") else [],
+        "warm_start": meta.get("warm_start_version", "hub warm start"),
         "steps": meta.get("steps"),
     }
     return export, lineage

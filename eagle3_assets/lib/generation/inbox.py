@@ -40,6 +40,7 @@ class InboxFile:
     sequence: int  # arrival order: the ledger's line number
     name: str
     sha256: str
+    stat: tuple[int, int]  # (size, mtime_ns) when registered: unchanged files are not hashed
     pool_prompts: int  # the pool file's prompts when it was registered (they come first)
     records: int = 0  # distinct prompts in the file
     added: int = 0  # new prompts batched for training
@@ -89,13 +90,19 @@ class Inbox:
         files by time registers them in arrival order)."""
         if not self.folder.is_dir():
             raise FileNotFoundError(f"EAGLE3_INBOX: expected a folder, found none at {self.folder}")
-        known = {(entry.name, entry.sha256) for entry in self.ledger()}
+        entries = self.ledger()
+        seen = {(entry.name, tuple(entry.stat)) for entry in entries}
+        known = {(entry.name, entry.sha256) for entry in entries}
         candidates = sorted(
             path
             for path in self.folder.iterdir()
             if path.is_file() and path.suffix in SUFFIXES and not path.name.startswith(".")
         )
-        return [path for path in candidates if (path.name, file_sha256(path)) not in known]
+        return [
+            path
+            for path in candidates
+            if (path.name, _stat(path)) not in seen and (path.name, file_sha256(path)) not in known
+        ]
 
     def register(self, pool_ids: Sequence[str]) -> list[InboxFile]:
         """Register every pending file against the pool file's ids and earlier files'."""
@@ -129,11 +136,11 @@ class Inbox:
         return {_set_name(group): self._snapshots(group, "evaluation") for group in groups if group}
 
     def _register(self, path: Path, sequence: int, pool_prompts: int, seen: set[str]) -> InboxFile:
-        sha = file_sha256(path)
+        sha, stat = file_sha256(path), _stat(path)
         try:
             conversations = load_conversations(path)
         except (ConversationError, OSError, ValueError) as error:
-            entry = InboxFile(sequence, path.name, sha, pool_prompts, error=str(error))
+            entry = InboxFile(sequence, path.name, sha, stat, pool_prompts, error=str(error))
             self._append(entry)
             return entry
         new = [c for c in conversations if c.prompt_id not in seen]
@@ -146,6 +153,7 @@ class Inbox:
             sequence,
             path.name,
             sha,
+            stat,
             pool_prompts,
             records=len(conversations),
             added=len(train),
@@ -182,6 +190,11 @@ class Inbox:
             ledger.write(("\n" if cut else "") + json.dumps(asdict(entry)) + "\n")
             ledger.flush()
             os.fsync(ledger.fileno())
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_size, info.st_mtime_ns
 
 
 def _set_name(entries: list[InboxFile]) -> str:

@@ -2,6 +2,7 @@
 held out by id, a malformed file named and skipped, batches that never shift."""
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -135,3 +136,16 @@ def test_a_missing_inbox_folder_is_named(tmp_path):
     inbox = Inbox(tmp_path / "nowhere", tmp_path / "state", 0.1)
     with pytest.raises(FileNotFoundError, match="EAGLE3_INBOX: expected a folder, found none at"):
         inbox.pending()
+
+
+def test_registered_files_are_hashed_again_only_when_size_or_time_change(inbox, monkeypatch):
+    from eagle3_assets.lib.generation import inbox as inbox_module
+
+    drop(inbox.folder, "a.jsonl", range(10))
+    inbox.register([])
+    hashed = []
+    real = inbox_module.file_sha256
+    monkeypatch.setattr(inbox_module, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+    assert inbox.pending() == [] and hashed == []  # every tick: a stat, no read
+    os.utime(inbox.folder / "a.jsonl", ns=(1, 1))  # touched, same bytes
+    assert inbox.pending() == [] and hashed == ["a.jsonl"]
