@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -39,3 +41,33 @@ def project_defs(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> dg.Def
     from eagle3_assets.definitions import defs
 
     return defs()
+
+
+def descendants(root: int) -> list[int]:
+    """`root` and every process below it, by parent pid (sessions and groups do not hide a
+    child: torchrun and vLLM start their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str, log: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no {what} after {timeout_s:.0f}s; daemon log:\n{log.read_text()[-4000:]}"
+    )

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -33,6 +32,7 @@ from eagle3_assets.lib.training.train_drafter import RunConfig, train
 from eagle3_assets.localdev.processes import running_daemon
 from eagle3_assets.run_launcher import worker_started
 from eagle3_assets_tests.conftest import SMALL_DRAFTER, free_port
+from eagle3_assets_tests.deploy.helpers import descendants, wait_for
 
 # A hang guard, not a speed bound: a whole pipeline, four kills and their retries.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -51,24 +51,6 @@ ACTIVE = [
 ]
 
 
-def descendants(root: int) -> list[int]:
-    """`root` and every process below it, by parent pid (sessions and groups do not hide a
-    child: torchrun and vLLM start their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
 def kill_tree(root: int) -> list[int]:
     """SIGKILL the whole tree at once, as the OOM killer or a reboot would: no clean-up runs."""
     for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first: nothing forks meanwhile
@@ -77,18 +59,6 @@ def kill_tree(root: int) -> list[int]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
     return pids
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str, log: Path):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(
-        f"no {what} after {timeout_s:.0f}s; daemon log:\n{log.read_text()[-4000:]}"
-    )
 
 
 def running_step(instance: dg.DagsterInstance, step: str) -> dg.DagsterRun | None:

@@ -1,11 +1,12 @@
 """Serving follows promotion, on a real vLLM replica started by the launcher: `served_drafter`
-restarts it with the promoted drafter; a kill -9 of the run mid-restart leaves a server that
-the re-materialized run waits for (never none serving); a drafter that cannot load leaves the
+restarts it with the promoted drafter; a kill -9 of the run's worker mid-restart leaves a
+server that the daemon's retry waits for (never none serving); a drafter that cannot load leaves the
 last good one serving; the maintenance window asks for a rollout only when something new was
 promoted.
 
-Server starts: the plain replica, the promoted drafter's (the killed run's, reused), the
-broken drafter's (it fails) and the last good one's again.
+Server starts: the plain replica, the promoted drafter's (the killed run's, reused by its
+retry), the promoted drafter's after the single-node chain, the broken drafter's (it fails)
+and the last good one's again.
 """
 
 import dataclasses
@@ -15,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +32,10 @@ from eagle3_assets.lib.serving.vllm_launcher import group_alive, read_pid, start
 from eagle3_assets.lib.serving.vllm_probe import probe
 from eagle3_assets.localdev.hub import train_world_drafter
 from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_server
+from eagle3_assets.localdev.processes import running_daemon
+from eagle3_assets.run_launcher import worker_started
 from eagle3_assets_tests.conftest import REPO, free_port
+from eagle3_assets_tests.deploy.helpers import descendants, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -101,15 +104,6 @@ def home_instance() -> Iterator[dg.DagsterInstance]:
         instance.dispose()
 
 
-def fail_dead_runs() -> None:
-    """What the daemon's run monitoring does with a run whose worker died: the run failed,
-    then its `vllm` pool slot freed (dagster.yaml: free_slots_after_run_end_seconds)."""
-    with home_instance() as instance:
-        for run in instance.get_runs(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
-            instance.report_run_failed(run, "run worker killed")
-            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-
-
 def launched(spec) -> dict:
     return json.loads((spec.run_dir / "launch.json").read_text())
 
@@ -131,30 +125,46 @@ def drafters(test_world, tmp_path_factory):
     return {"trained": trained, "broken": broken}
 
 
-def test_a_run_killed_mid_restart_leaves_a_server_the_next_run_confirms(world, drafters):
+def test_a_rollout_whose_worker_is_killed_mid_restart_recovers_by_itself(world, drafters, tmp_path):
+    """The daemon runs the maintenance window; its rollout's worker is SIGKILLed once the new
+    server is launched. Run monitoring fails the run and frees its pool slot, run retries
+    launch the retry, and the retry waits for the server the killed run left loading."""
     spec, env, root = world
     plain_pid = launched(spec)["pid"]
     assert launched(spec)["spec"]["speculative_config"] is None
     promote(root, drafters["trained"], {"held-out": 2.0})
     version = root / "data" / "promotion" / "versions" / "v001"
+    log = tmp_path / "daemon.log"
+    daemon_env = {
+        **env,
+        "EAGLE3_MAINTENANCE_CRON": "* * * * *",  # the window: every minute
+        # the readiness sensor must not start the pipeline on this replica
+        "EAGLE3_VLLM_URLS": f"http://127.0.0.1:{free_port()}",
+    }
 
-    killed = materialize(env)
-    deadline = time.monotonic() + 300
-    while launched(spec)["pid"] == plain_pid:  # the new server is starting: kill the run
-        assert killed.poll() is None and time.monotonic() < deadline, killed.stdout.read()
-        time.sleep(0.2)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
-    fail_dead_runs()
-    new_pid = launched(spec)["pid"]
-    assert launched(spec)["spec"]["speculative_config"]["model"] == str(version)
-    assert not group_alive(plain_pid) and group_alive(new_pid)  # the new one loads on
+    def restarting(instance):
+        runs = instance.get_runs(dg.RunsFilter(job_name="serve_promoted_drafter"))
+        worker = runs and worker_started(instance, runs[0].run_id)
+        return worker and launched(spec)["pid"] != plain_pid and (runs[0], worker[0])
 
-    again = materialize(env)
-    output, _ = again.communicate(timeout=900)
-    assert again.returncode == 0, output
-    assert f"reusing the vLLM server (pid {new_pid})" in output  # waited for, not restarted
-    assert read_pid(spec.pid_file) == new_pid
+    def retried(instance):
+        event = instance.get_latest_materialization_event(dg.AssetKey("served_drafter"))
+        return event and instance.get_run_by_id(event.run_id)
+
+    with home_instance() as instance, running_daemon(Path(env["DAGSTER_HOME"]), daemon_env, log):
+        killed, worker = wait_for(lambda: restarting(instance), 300, "a rollout", log)
+        server = launched(spec)["pid"]
+        for pid in descendants(worker):  # the worker and its steps, not the server's group
+            if os.getpgid(pid) != server:
+                os.kill(pid, signal.SIGKILL)
+        retry = wait_for(lambda: retried(instance), 600, "served_drafter", log)
+        assert retry.tags["dagster/parent_run_id"] == killed.run_id
+        assert instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.FAILURE
+        messages = [r.user_message for r in instance.all_logs(retry.run_id)]
+
+    assert not group_alive(plain_pid)
+    assert any(f"reusing the vLLM server (pid {server})" in m for m in messages), messages
+    assert read_pid(spec.pid_file) == server  # waited for, not restarted
     meta = metadata("served_drafter")
     assert (meta["drafter"], meta["path"]) == ("promoted v001", str(version))
     (row,) = meta["replicas"].splitlines()[2:]
