@@ -31,10 +31,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tree_sha256(directory: Path) -> str:
-    """One hash of a folder's files, names and bytes (a drafter: its config and weights)."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(directory).iterdir()):
-        if path.is_file():
-            digest.update(f"{path.name}\0{file_sha256(path)}\0".encode())
-    return digest.hexdigest()
+def file_hashes(directory: Path) -> dict[str, str]:
+    """name -> sha256 of each file in a folder (a drafter: its config and weights)."""
+    return {p.name: file_sha256(p) for p in sorted(Path(directory).iterdir()) if p.is_file()}

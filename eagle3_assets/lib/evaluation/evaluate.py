@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_assets.lib.core.atomic_files import file_sha256, write_atomically
+from eagle3_assets.lib.core.atomic_files import file_hashes, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 from eagle3_assets.lib.core.layer_ids import KEY
 from eagle3_assets.lib.evaluation.acceptance import Acceptance, measure_acceptance
@@ -91,7 +91,7 @@ def evaluate(
     measurements = []
     for contender in contenders:
         served = serving_spec(spec, contender, settings)
-        drafter = _file_hashes(contender.drafter) if contender.drafter else None  # once: GBs
+        drafter = file_hashes(contender.drafter) if contender.drafter else None  # once: GBs
         files = {
             name: results_dir
             / f"{_key(served, contender.drafter, drafter, conversations, settings)}.json"
@@ -164,10 +164,6 @@ def _measure_on_new_server(
             )
     finally:
         stop(spec.run_dir, grace_s=30)
-
-
-def _file_hashes(directory: Path) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 def _key(

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3_assets.lib.core.atomic_files import tree_sha256, write_atomically
+from eagle3_assets.lib.core.atomic_files import file_hashes, write_atomically
 from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 
 
@@ -26,7 +26,7 @@ from eagle3_assets.lib.core.charts import line_chart_svg, markdown_image
 class Version:
     number: int
     path: str  # the export vLLM loads
-    sha256: str  # of its files (config and weights): the same drafter is never promoted twice
+    files: dict[str, str]  # name -> sha256 (config, weights): never promoted twice
     lineage: dict  # the candidate's export, training run (batches, warm start, recipe)
     acceptance: dict[str, float]  # prompt set -> mean acceptance length when promoted
 
@@ -38,7 +38,7 @@ class Version:
 @dataclass(frozen=True)
 class Decision:
     candidate: str  # its export
-    sha256: str
+    files: dict[str, str]
     incumbent: str  # "warm start" or a version's name
     candidate_acceptance: dict[str, float]
     incumbent_acceptance: dict[str, float]
@@ -100,20 +100,20 @@ class Registry:
         promoted version, measured in the same evaluation: prompt set -> mean acceptance
         length) on every set by `margin`; record the decision either way. Judging the same
         candidate against the same incumbent again returns the first decision."""
-        sha = tree_sha256(Path(candidate))
+        files = file_hashes(Path(candidate))
         for earlier in self.decisions():
-            if earlier.sha256 == sha and earlier.incumbent == incumbent:
+            if earlier.files == files and earlier.incumbent == incumbent:
                 return earlier
         current = self.current()
         reasons = shortfalls(scores, incumbent_scores, margin, incumbent)
-        if current is not None and current.sha256 == sha:
+        if current is not None and current.files == files:
             reasons = [f"it is {current.name} already"]
         version = current.number if current else None
         if not reasons:
-            version = self._promote(candidate, sha, lineage, dict(scores)).number
+            version = self._promote(candidate, files, lineage, dict(scores)).number
         decision = Decision(
             str(candidate),
-            sha,
+            files,
             incumbent,
             dict(scores),
             dict(incumbent_scores),
@@ -133,9 +133,11 @@ class Registry:
         path = self.root / "versions" / f"v{number:03d}.json"
         return Version(**json.loads(path.read_text()))
 
-    def _promote(self, candidate: Path, sha: str, lineage: dict, acceptance: dict) -> Version:
+    def _promote(
+        self, candidate: Path, files: dict[str, str], lineage: dict, acceptance: dict
+    ) -> Version:
         versions = self.versions()
-        same = [v for v in versions if v.sha256 == sha]  # copied before a crash: reuse it
+        same = [v for v in versions if v.files == files]  # copied before a crash: reuse it
         if same:
             version = same[0]
         else:
@@ -147,7 +149,7 @@ class Registry:
                 shutil.rmtree(partial, ignore_errors=True)
             shutil.copytree(candidate, staging)
             os.replace(staging, final)
-            version = Version(number, str(final), sha, lineage, acceptance)
+            version = Version(number, str(final), files, lineage, acceptance)
             write_atomically(final.with_suffix(".json"), json.dumps(asdict(version)).encode())
         write_atomically(
             self.root / "current.json", json.dumps({"version": version.number}).encode()
