@@ -107,7 +107,7 @@ def streamed_run(
 def training_data(
     usable: list[str], promoted: Version | None, share: float, storage: Storage
 ) -> tuple[list[str], list[str]]:
-    """The batches a run learns from and, by id, the samples it leaves out. Before any
+    """The batches new to the run and, by id, the samples it leaves out. Before any
     promotion: every usable batch, whole. After one: the run warm-starts from the promoted
     drafter, so it needs batches new since it, and of the batches it learnt only the replay
     share is read again."""
@@ -117,7 +117,7 @@ def training_data(
     from eagle3_assets.lib.training.replay import replay_exclusions
 
     if promoted is None:
-        return [], []
+        return usable, []
     learnt = set(promoted.lineage["batches"])
     new = [b for b in usable if b not in learnt]
     if not new:
@@ -207,7 +207,7 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
             {
                 "hidden_states": mode,
                 "batches": ", ".join(selection.usable),
-                "new_batches": ", ".join(new or selection.usable),
+                "new_batches": ", ".join(new),
                 "replay_excluded_samples": len(exclude),
                 "excluded_batches": "\n".join(left_out) or "none",
                 "target": target.path,

@@ -34,7 +34,7 @@ def promoted(batches: list[str]) -> Version:
 
 
 def test_before_any_promotion_every_batch_is_read_whole(storage):
-    assert training_data(list(BATCHES), None, 0.25, storage) == ([], [])
+    assert training_data(list(BATCHES), None, 0.25, storage) == (list(BATCHES), [])
 
 
 def test_after_a_promotion_new_batches_whole_and_a_replay_share_of_the_learnt(storage):
