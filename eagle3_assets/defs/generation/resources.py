@@ -1,5 +1,6 @@
 """The prompts to regenerate and how every batch is sampled."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -13,7 +14,7 @@ from eagle3_assets.lib.generation.conversations import (
     load_conversations,
     parse_batch_key,
 )
-from eagle3_assets.lib.generation.inbox import Inbox
+from eagle3_assets.lib.generation.inbox import Inbox, InboxFile
 from eagle3_assets.lib.generation.settings import GenerationConfig
 from eagle3_assets.resources import Storage
 
@@ -51,10 +52,19 @@ class PromptPool(dg.ConfigurableResource, EnvSettings):
             return None
         return Inbox(Path(self.inbox), storage.path("inbox"), self.inbox_heldout_fraction)
 
-    def conversations(self, storage: Storage) -> list[Conversation]:
+    def conversations(
+        self, storage: Storage, registered: Callable[[InboxFile], None] | None = None
+    ) -> list[Conversation]:
+        """The pool, read once. With `registered` (the sensor), files new in the inbox are
+        registered first, each reported to it."""
         pool = self.pool_file()
         inbox = self.open_inbox(storage)
-        return pool + (inbox.conversations(len(pool)) if inbox else [])
+        if inbox is None:
+            return pool
+        if registered is not None:
+            for entry in inbox.register([c.prompt_id for c in pool]):
+                registered(entry)
+        return pool + inbox.conversations(len(pool))
 
     def batch(self, key: str, storage: Storage) -> list[Conversation]:
         return batch_slice(self.conversations(storage), parse_batch_key(key), self.batch_size)

@@ -6,6 +6,7 @@ import dagster as dg
 from eagle3_assets.defs.generation.resources import PromptPool
 from eagle3_assets.defs.serving.sensors import server_ready
 from eagle3_assets.lib.generation.conversations import batch_key
+from eagle3_assets.lib.generation.inbox import InboxFile
 from eagle3_assets.partitions import batches_in_flight, pending_batches, sample_batches
 from eagle3_assets.resources import Storage
 
@@ -27,12 +28,10 @@ generate_batch_job = dg.define_asset_job(
 def new_batches_sensor(
     context: dg.SensorEvaluationContext, prompt_pool: PromptPool, storage: Storage
 ):
-    inbox = prompt_pool.open_inbox(storage)
-    if inbox is not None and inbox.pending():
-        pool_ids = [c.prompt_id for c in prompt_pool.pool_file()]
-        for entry in inbox.register(pool_ids):  # a malformed file is skipped, never blocking
-            (context.log.warning if entry.error else context.log.info)(entry.describe())
-    pool_size = len(prompt_pool.conversations(storage))
+    def registered(entry: InboxFile) -> None:  # a malformed file is skipped, never blocking
+        (context.log.warning if entry.error else context.log.info)(entry.describe())
+
+    pool_size = len(prompt_pool.conversations(storage, registered))
     full_batches = pool_size // prompt_pool.batch_size  # a full batch never changes again
     batched = full_batches * prompt_pool.batch_size
     if context.cursor == str(batched):
