@@ -93,8 +93,7 @@ def evaluate(
         served = serving_spec(spec, contender, settings)
         drafter = file_hashes(contender.drafter) if contender.drafter else None  # once: GBs
         files = {
-            name: results_dir
-            / f"{_key(served, contender.drafter, drafter, conversations, settings)}.json"
+            name: results_dir / f"{_key(served, drafter, conversations, settings)}.json"
             for name, conversations in prompt_sets.items()
         }
         todo = [name for name, path in files.items() if not path.exists()]
@@ -168,7 +167,6 @@ def _measure_on_new_server(
 
 def _key(
     spec: VLLMLaunchSpec,
-    drafter_dir: Path | None,
     drafter: dict[str, str] | None,
     conversations: list[list[dict]],
     settings: EvaluationSettings,
@@ -176,11 +174,12 @@ def _key(
     """What decides a measurement: the server command, the drafter's bytes (not where they
     lie: a promoted copy of a measured drafter is measured already), the prompts and the
     settings (the chat template kwargs that render the prompts among them)."""
-    command = build_command(dataclasses.replace(spec, port=0, run_dir=Path(".")))
-    if drafter_dir is not None:
-        command = [arg.replace(str(drafter_dir), "<drafter>") for arg in command]
+    speculative = spec.speculative_config and {**spec.speculative_config, "model": "<drafter>"}
+    unplaced = dataclasses.replace(
+        spec, port=0, run_dir=Path("."), speculative_config=speculative or None
+    )
     decided_by = {
-        "command": command,
+        "command": build_command(unplaced),
         "drafter": drafter,
         "prompts": conversations,
         "settings": settings.model_dump(),
