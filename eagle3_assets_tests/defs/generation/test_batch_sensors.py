@@ -141,8 +141,8 @@ def schedule_tick(instance):
     """A tick as the daemon evaluates it (its invariants included): the run requests, or a
     SkipReason."""
     repository = defs().get_repository_def()
-    context = dg.build_schedule_context(instance=instance, repository_def=repository)
-    data = repository.get_schedule_def("batch_backfill_schedule").evaluate_tick(context)
+    with dg.build_schedule_context(instance=instance, repository_def=repository) as context:
+        data = repository.get_schedule_def("batch_backfill_schedule").evaluate_tick(context)
     return dg.SkipReason(data.skip_message) if data.skip_message else data.run_requests
 
 

@@ -16,8 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -93,23 +91,12 @@ def materialize(env: dict) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@contextmanager
-def home_instance() -> Iterator[dg.DagsterInstance]:
-    """The instance at DAGSTER_HOME, not entered: DagsterInstance.__exit__ leaves it the
-    process's current defs state storage, and every later defs() load then fails."""
-    instance = dg.DagsterInstance.get()
-    try:
-        yield instance
-    finally:
-        instance.dispose()
-
-
 def launched(spec) -> dict:
     return json.loads((spec.run_dir / "launch.json").read_text())
 
 
 def metadata(key: str) -> dict:
-    with home_instance() as instance:
+    with dg.DagsterInstance.get() as instance:
         event = instance.get_latest_materialization_event(dg.AssetKey(key))
         return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
@@ -151,7 +138,10 @@ def test_a_rollout_whose_worker_is_killed_mid_restart_recovers_by_itself(world, 
         event = instance.get_latest_materialization_event(dg.AssetKey("served_drafter"))
         return event and instance.get_run_by_id(event.run_id)
 
-    with home_instance() as instance, running_daemon(Path(env["DAGSTER_HOME"]), daemon_env, log):
+    with (
+        dg.DagsterInstance.get() as instance,
+        running_daemon(Path(env["DAGSTER_HOME"]), daemon_env, log),
+    ):
         killed, worker = wait_for(lambda: restarting(instance), 300, "a rollout", log)
         server = launched(spec)["pid"]
         for pid in descendants(worker):  # the worker and its steps, not the server's group
@@ -192,7 +182,7 @@ def test_on_a_serving_node_training_gets_the_gpus_and_a_failure_gives_them_back(
             context = context.for_run_failure()
         return sensors[sensor](context)
 
-    with home_instance() as instance:
+    with dg.DagsterInstance.get() as instance:
         stop = definitions.resolve_job_def("retrain_on_serving_node")
         stopped = stop.execute_in_process(instance=instance)
         assert stopped.success
@@ -222,10 +212,12 @@ def test_the_maintenance_window_asks_only_for_a_newly_promoted_drafter(world, dr
     schedule = repository.get_schedule_def("serving_maintenance_schedule")
 
     def tick():
-        with home_instance() as instance:
-            context = dg.build_schedule_context(
+        with (
+            dg.DagsterInstance.get() as instance,
+            dg.build_schedule_context(
                 instance=instance, repository_def=repository, resources=definitions.resources
-            )
+            ) as context,
+        ):
             return schedule.evaluate_tick(context)
 
     assert tick().skip_message == "promoted v001 serves already"
