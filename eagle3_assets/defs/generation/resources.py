@@ -7,14 +7,19 @@ import dagster as dg
 from pydantic import Field
 
 from eagle3_assets.env_settings import EnvSettings
-from eagle3_assets.lib.core.hub_files import HF_TOKEN_ENV, local_file
+from eagle3_assets.lib.core.hub_files import (
+    HF_DATASETS,
+    HF_TOKEN_ENV,
+    dataset_snapshot,
+    local_file,
+)
 from eagle3_assets.lib.generation.conversations import (
     Conversation,
     batch_slice,
     load_conversations,
     parse_batch_key,
 )
-from eagle3_assets.lib.generation.inbox import Inbox, InboxFile
+from eagle3_assets.lib.generation.inbox import SUFFIXES, Inbox, InboxFile
 from eagle3_assets.lib.generation.settings import GenerationConfig
 from eagle3_assets.resources import Storage
 
@@ -24,7 +29,8 @@ class PromptPool(dg.ConfigurableResource, EnvSettings):
     the pool file's, then what each file dropped in the inbox added, in arrival order.
 
     `path`: a local JSONL/Parquet file, or `hf://datasets/<org>/<name>/<file>[@<revision>]`.
-    `inbox`: a folder (local or a mounted volume) where a gateway drops JSONL/Parquet files;
+    `inbox`: a folder (local or a mounted volume) where a gateway drops JSONL/Parquet files,
+    or `hf://datasets/<org>/<name>[@<branch>]`, whose new revisions bring new or grown files;
     its ledger and snapshots live on the data volume (lib/generation/inbox.py).
     """
 
@@ -47,10 +53,16 @@ class PromptPool(dg.ConfigurableResource, EnvSettings):
     def pool_file(self) -> list[Conversation]:
         return load_conversations(local_file(self.path, self.cache_dir, self.token))
 
-    def open_inbox(self, storage: Storage) -> Inbox | None:
+    def open_inbox(self, storage: Storage, newest: bool = False) -> Inbox | None:
+        """The inbox's state; with `newest`, its files too: a hub dataset's newest revision,
+        fetched (what registering needs; the state alone never reaches the hub)."""
         if not self.inbox:
             return None
-        return Inbox(Path(self.inbox), storage.path("inbox"), self.inbox_heldout_fraction)
+        folder, revision = Path(self.inbox), None
+        if newest and self.inbox.startswith(HF_DATASETS):
+            patterns = [f"*{suffix}" for suffix in SUFFIXES]
+            folder, revision = dataset_snapshot(self.inbox, patterns, self.cache_dir, self.token)
+        return Inbox(folder, storage.path("inbox"), self.inbox_heldout_fraction, revision)
 
     def conversations(
         self, storage: Storage, registered: Callable[[InboxFile], None] | None = None
@@ -58,7 +70,7 @@ class PromptPool(dg.ConfigurableResource, EnvSettings):
         """The pool, read once. With `registered` (the sensor), files new in the inbox are
         registered first, each reported to it."""
         pool = self.pool_file()
-        inbox = self.open_inbox(storage)
+        inbox = self.open_inbox(storage, newest=registered is not None)
         if inbox is None:
             return pool
         if registered is not None:

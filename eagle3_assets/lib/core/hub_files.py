@@ -50,3 +50,29 @@ def local_file(source: str, cache_dir: str | None = None, token: str | None = No
             local_files_only=hub_offline(),
         )
     )
+
+
+def dataset_snapshot(
+    source: str, patterns: list[str], cache_dir: str | None = None, token: str | None = None
+) -> tuple[Path, str]:
+    """The newest revision of dataset `hf://datasets/<org>/<name>[@<branch>]`: its files
+    matching `patterns`, downloaded with `snapshot_download` (what an earlier revision
+    shares is not fetched again), as a local snapshot folder, and that revision's commit sha."""
+    from huggingface_hub import snapshot_download
+
+    spec, _, revision = source.removeprefix(HF_DATASETS).partition("@")
+    org, _, name = spec.partition("/")
+    if not source.startswith(HF_DATASETS) or not org or not name or "/" in name:
+        raise ValueError(f"{source!r}: expected hf://datasets/<org>/<name>[@<branch>]")
+    folder = Path(
+        snapshot_download(
+            f"{org}/{name}",
+            repo_type="dataset",
+            revision=revision or None,
+            allow_patterns=patterns,
+            cache_dir=cache_dir or hub_cache_dir(),
+            token=token,
+            local_files_only=hub_offline(),
+        )
+    )
+    return folder, folder.name  # <cache>/datasets--org--name/snapshots/<commit sha>

@@ -1,4 +1,6 @@
-"""Prompts that keep arriving: files a gateway or request logger drops in an inbox folder.
+"""Prompts that keep arriving: files a gateway or request logger drops in an inbox folder (or
+subfolders), or that new revisions of a hub dataset bring (the folder is then the newest
+revision's snapshot; a file it shares unchanged with an earlier one is not new).
 
 Each new file is registered once, in arrival order, into a ledger beside a snapshot of what it
 added, so the pool only ever grows at its end (earlier batches never change) and a file that
@@ -47,27 +49,33 @@ class InboxFile:
     held_out: int = 0  # new prompts kept for evaluation
     duplicates: int = 0  # prompt ids already in the pool or an earlier file
     error: str | None = None
+    revision: str | None = None  # the hub dataset's commit it was read at
 
     @property
     def stem(self) -> str:
         return f"{self.sequence:05d}-{Path(self.name).stem}"
 
     def describe(self) -> str:
+        name = f"{self.name}@{self.revision[:12]}" if self.revision else self.name
         if self.error is not None:
-            return f"{self.name}: skipped, {self.error}"
+            return f"{name}: skipped, {self.error}"
         return (
-            f"{self.name}: {self.records} prompts, {self.added} added for training, "
+            f"{name}: {self.records} prompts, {self.added} added for training, "
             f"{self.held_out} held out for evaluation, {self.duplicates} duplicates"
         )
 
 
 class Inbox:
-    """An inbox folder and its state (`state_dir`: the ledger and the snapshots)."""
+    """An inbox folder and its state (`state_dir`: the ledger and the snapshots); `revision`:
+    the hub dataset commit the folder is a snapshot of."""
 
-    def __init__(self, folder: Path, state_dir: Path, heldout_fraction: float) -> None:
+    def __init__(
+        self, folder: Path, state_dir: Path, heldout_fraction: float, revision: str | None = None
+    ) -> None:
         self.folder = Path(folder)
         self.state_dir = Path(state_dir)
         self.heldout_fraction = heldout_fraction
+        self.revision = revision
 
     def held_out(self, prompt_id: str) -> bool:
         """Whether an inbox prompt is kept for evaluation, never batched for training."""
@@ -94,14 +102,16 @@ class Inbox:
         seen = {(entry.name, tuple(entry.stat)) for entry in entries}
         known = {(entry.name, entry.sha256) for entry in entries}
         candidates = sorted(
-            path
-            for path in self.folder.iterdir()
-            if path.is_file() and path.suffix in SUFFIXES and not path.name.startswith(".")
+            (self._name(path), path)
+            for path in self.folder.rglob("*")
+            if path.is_file()
+            and path.suffix in SUFFIXES
+            and not any(part.startswith(".") for part in path.relative_to(self.folder).parts)
         )
         return [
             path
-            for path in candidates
-            if (path.name, _stat(path)) not in seen and (path.name, file_sha256(path)) not in known
+            for name, path in candidates
+            if (name, _stat(path)) not in seen and (name, file_sha256(path)) not in known
         ]
 
     def register(self, pool_ids: Sequence[str]) -> list[InboxFile]:
@@ -135,12 +145,17 @@ class Inbox:
         groups = (slices[:-1], slices[-1:])
         return {_set_name(group): self._snapshots(group, "evaluation") for group in groups if group}
 
+    def _name(self, path: Path) -> str:
+        return path.relative_to(self.folder).as_posix()
+
     def _register(self, path: Path, sequence: int, pool_prompts: int, seen: set[str]) -> InboxFile:
-        sha, stat = file_sha256(path), _stat(path)
+        sha, stat, name = file_sha256(path), _stat(path), self._name(path)
         try:
             conversations = load_conversations(path)
         except (ConversationError, OSError, ValueError) as error:
-            entry = InboxFile(sequence, path.name, sha, stat, pool_prompts, error=str(error))
+            entry = InboxFile(
+                sequence, name, sha, stat, pool_prompts, error=str(error), revision=self.revision
+            )
             self._append(entry)
             return entry
         new = [c for c in conversations if c.prompt_id not in seen]
@@ -151,7 +166,7 @@ class Inbox:
         train = [c for c in new if c.prompt_id not in evaluation_ids]
         entry = InboxFile(
             sequence,
-            path.name,
+            name,
             sha,
             stat,
             pool_prompts,
@@ -159,6 +174,7 @@ class Inbox:
             added=len(train),
             held_out=len(evaluation),
             duplicates=len(conversations) - len(new),
+            revision=self.revision,
         )
         for split, rows in (("train", train), ("evaluation", evaluation)):
             if rows:  # snapshots first: a ledger line always has its files

@@ -8,6 +8,7 @@ import pytest
 from eagle3_assets.definitions import defs
 from eagle3_assets.defs.generation.resources import PromptPool
 from eagle3_assets.defs.generation.sensors import new_batches_sensor
+from eagle3_assets.localdev.hub import publish_to_hub_cache
 from eagle3_assets.partitions import sample_batches
 from eagle3_assets.resources import Storage
 
@@ -129,6 +130,42 @@ def test_registers_batches_from_files_dropped_in_the_inbox(instance, tmp_path, c
     again = tick(instance, pool, first.cursor, storage=storage)  # the bad file is not retried
     assert isinstance(again, dg.SkipReason)
     assert sensor_log(capfd)["WARNING"] == []
+
+
+def test_registers_batches_from_new_revisions_of_a_hub_dataset(
+    instance, tmp_path, monkeypatch, capfd
+):
+    """EAGLE3_INBOX=hf://datasets/...: each tick reads the dataset's newest revision (the real
+    client, offline, from a local hub cache); a new revision's rows become new batches."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo, cache, storage = tmp_path / "repo", tmp_path / "hub", Storage(root=str(tmp_path / "d"))
+    repo.mkdir()
+    write_pool(tmp_path / "pool.jsonl", 10)
+    pool = PromptPool(
+        path=str(tmp_path / "pool.jsonl"), batch_size=10, inbox="hf://datasets/local/traffic",
+        cache_dir=str(cache), inbox_heldout_fraction=0.0,
+    )  # fmt: skip
+    write_pool(repo / "traffic.jsonl", 30, start=10)
+    first_sha = publish_to_hub_cache(repo, cache, "local/traffic", repo_type="dataset")
+    observe_server(instance, "ready")
+
+    first = tick(instance, pool, storage=storage)
+    (request,) = first.dynamic_partitions_requests
+    assert list(request.partition_keys) == ["batch-00000", "batch-00001", "batch-00002"]
+    assert f"traffic.jsonl@{first_sha[:12]}: 20 prompts" in sensor_log(capfd)["INFO"][0]
+    apply(instance, first)
+    assert isinstance(tick(instance, pool, first.cursor, storage=storage), dg.SkipReason)
+
+    write_pool(repo / "traffic.jsonl", 45, start=10)  # the next revision: 15 more rows
+    second_sha = publish_to_hub_cache(repo, cache, "local/traffic", repo_type="dataset")
+    second = tick(instance, pool, first.cursor, storage=storage)
+    (request,) = second.dynamic_partitions_requests
+    assert list(request.partition_keys) == ["batch-00003"]  # p030..p039; p040..p044 wait
+    assert [c.prompt_id for c in pool.batch("batch-00003", storage)] == [
+        f"p{i:03d}" for i in range(30, 40)
+    ]
+    (entry,) = [e for e in pool.open_inbox(storage).ledger() if e.revision == second_sha]
+    assert (entry.records, entry.duplicates, entry.added) == (35, 20, 15)
 
 
 def materialize_batch(instance, key: str) -> None:

@@ -149,3 +149,42 @@ def test_registered_files_are_hashed_again_only_when_size_or_time_change(inbox, 
     assert inbox.pending() == [] and hashed == []  # every tick: a stat, no read
     os.utime(inbox.folder / "a.jsonl", ns=(1, 1))  # touched, same bytes
     assert inbox.pending() == [] and hashed == ["a.jsonl"]
+
+
+def test_new_revisions_of_a_hub_dataset_bring_only_their_new_prompts(tmp_path, monkeypatch):
+    """The real huggingface_hub client, offline, on a local hub cache: each revision's files
+    are read from its snapshot; a file shared unchanged is not new, a grown file adds only
+    its new rows, and a file in a subfolder registers under its path."""
+    from eagle3_assets.lib.core.hub_files import dataset_snapshot
+    from eagle3_assets.localdev.hub import publish_to_hub_cache
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo, cache, state = tmp_path / "repo", tmp_path / "hub", tmp_path / "state"
+    repo.mkdir()
+    patterns = ["*.jsonl", "*.json", "*.parquet"]
+
+    def newest() -> Inbox:
+        folder, revision = dataset_snapshot("hf://datasets/local/traffic", patterns, str(cache))
+        return Inbox(folder, state, 0.2, revision)
+
+    drop(repo, "traffic.jsonl", range(30))
+    first_sha = publish_to_hub_cache(repo, cache, "local/traffic", repo_type="dataset")
+    (first,) = newest().register([])
+    assert (first.name, first.records, first.revision) == ("traffic.jsonl", 30, first_sha)
+
+    drop(repo, "traffic.jsonl", range(50))  # grown by 20 rows
+    (repo / "data").mkdir()
+    drop(repo / "data", "2026-12-07.jsonl", range(100, 120))
+    (repo / "README.md").write_text("a dataset card: not a prompt file\n")
+    second_sha = publish_to_hub_cache(repo, cache, "local/traffic", repo_type="dataset")
+    inbox = newest()
+    assert inbox.revision == second_sha != first_sha
+    nested, grown = inbox.register([])  # the dataset card is not a prompt file
+    assert (nested.name, nested.records, nested.duplicates) == ("data/2026-12-07.jsonl", 20, 0)
+    assert (grown.name, grown.records, grown.duplicates) == ("traffic.jsonl", 50, 30)
+    assert {nested.revision, grown.revision} == {second_sha}
+    assert grown.describe().startswith(f"traffic.jsonl@{second_sha[:12]}: 50 prompts")
+    trained = [c.prompt_id for c in inbox.conversations(0)]
+    order = [*range(30), *range(100, 120), *range(30, 50)]  # in arrival order
+    assert trained == [f"p{i:04d}" for i in order if not inbox.held_out(f"p{i:04d}")]
+    assert newest().register([]) == []  # the same revision again: nothing new
