@@ -9,6 +9,7 @@ import dagster as dg
 from pydantic import Field
 
 from eagle3_assets.defs.checkpoint.resources import DrafterHub
+from eagle3_assets.defs.evaluation.promotion import promotion_automation
 from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
 from eagle3_assets.defs.generation.resources import GenerationRecipe, PromptPool
 from eagle3_assets.defs.generation.sensors import batch_backfill_schedule
@@ -36,8 +37,8 @@ RESOURCES = {
 
 
 class Automation(EnvSettings):
-    """What runs by itself. Extraction, training and evaluation are off by default: on a node
-    where serving holds every GPU they have nowhere to run until serving stops."""
+    """What runs by itself. Extraction, training, evaluation and promotion are off by default:
+    on a node where serving holds every GPU they have nowhere to run until serving stops."""
 
     drafter_automation: bool = False
     backfill_cron: str = Field("*/15 * * * *", min_length=9)
@@ -64,7 +65,10 @@ def defs() -> dg.Definitions:
     return dg.Definitions.merge(
         dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
         dg.Definitions(
-            sensors=[drafter_automation(automation.drafter_automation, streamed)],
+            sensors=[
+                drafter_automation(automation.drafter_automation, streamed),
+                promotion_automation(automation.drafter_automation),
+            ],
             schedules=[
                 batch_backfill_schedule(automation.backfill_cron),
                 maintenance_schedule(automation.maintenance_cron),

@@ -57,8 +57,13 @@ def test_definitions_load_with_the_expected_graph():
     assert automation.default_status == dg.DefaultSensorStatus.STOPPED  # opt-in
     automated = {"hidden_states", "eagle3_drafter", "drafter_evaluation"}
     assert {key.to_user_string() for key in automation.asset_selection.resolve(graph)} == automated
-    for key in automated:
+    for key in automated | {"promoted_drafter"}:
         assert graph.get(dg.AssetKey(key)).automation_condition is not None
+    promotion = definitions.resolve_sensor_def("promotion_automation")
+    assert promotion.default_status == dg.DefaultSensorStatus.STOPPED  # with the drafter steps
+    assert promotion.asset_selection.resolve(graph) == {dg.AssetKey("promoted_drafter")}
+    # a refusal fails the run (its check is blocking) and is not run again; a dead worker is
+    assert promotion.run_tags == {"dagster/retry_on_asset_or_op_failure": "false"}
     assert not graph.get(dg.AssetKey("vllm_server")).is_materializable  # external: observed only
     assert graph.get(dg.AssetKey("served_target")).parent_keys == {dg.AssetKey("vllm_server")}
     assert definitions.resolve_job_def("launch").asset_layer.selected_asset_keys == {

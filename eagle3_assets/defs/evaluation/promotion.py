@@ -7,6 +7,7 @@ import dagster as dg
 from eagle3_assets.defs.evaluation.assets import FINETUNED, WARM_START, drafter_evaluation
 from eagle3_assets.defs.evaluation.resources import EvaluationRecipe
 from eagle3_assets.lib.evaluation.promotion import Registry, history_chart
+from eagle3_assets.partitions import eager_on_checked_inputs
 from eagle3_assets.resources import Storage, TargetModel
 
 BEATS_PROMOTED = "candidate_beats_promoted"
@@ -16,6 +17,8 @@ BEATS_PROMOTED = "candidate_beats_promoted"
     deps=[drafter_evaluation],
     group_name="evaluation",
     kinds={"vllm"},
+    # judged once the candidate's evaluation passed its check (promotion_automation)
+    automation_condition=eager_on_checked_inputs(),
     check_specs=[
         dg.AssetCheckSpec(
             BEATS_PROMOTED,
@@ -83,4 +86,21 @@ def promoted_drafter(
                 },
             )
         ],
+    )
+
+
+def promotion_automation(running: bool) -> dg.AutomationConditionSensorDefinition:
+    """Judges each evaluated candidate, on when the drafter steps are (EAGLE3_AUTOMATION). Its
+    runs are retried only when their worker died: a refusal is a verdict, not a failure to
+    run again."""
+    return dg.AutomationConditionSensorDefinition(
+        "promotion_automation",
+        target=dg.AssetSelection.assets(promoted_drafter),
+        minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.RUNNING
+        if running
+        else dg.DefaultSensorStatus.STOPPED,
+        run_tags={"dagster/retry_on_asset_or_op_failure": "false"},
+        description="Requests promoted_drafter when drafter_evaluation is updated and passed its "
+        "check: the candidate replaces the promoted drafter only if it beats it on every set.",
     )

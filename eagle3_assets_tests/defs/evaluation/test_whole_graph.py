@@ -125,7 +125,7 @@ def evaluated(story):
         cursor = result.cursor
         if not result.total_requested:
             break
-        for key in ("hidden_states", "eagle3_drafter", "drafter_evaluation"):
+        for key in ("hidden_states", "eagle3_drafter", "drafter_evaluation", "promoted_drafter"):
             for partition in sorted(result.get_requested_partitions(dg.AssetKey(key))):
                 seen["automation"].append((key, partition))
                 run = materialize(definitions, instance, key, partition)
@@ -141,11 +141,13 @@ def test_sensors_drive_the_graph_to_an_evaluated_drafter(evaluated, story, test_
     assert evaluated["observed"] == ["ready"]
     assert evaluated["launch"] == batches[0]
     assert evaluated["new_batches"] == batches[1:]
-    # every batch extracted, then ONE training once none is missing, then ONE evaluation
+    # every batch extracted, then ONE training once none is missing, then ONE evaluation,
+    # then the candidate judged
     assert evaluated["automation"] == [
         *[("hidden_states", b) for b in batches],
         ("eagle3_drafter", None),
         ("drafter_evaluation", None),
+        ("promoted_drafter", None),
     ]
     training = metadata(instance, "eagle3_drafter")
     assert training["steps"] == 60
@@ -202,7 +204,7 @@ def test_the_finetuned_drafter_is_promoted_over_the_warm_start(evaluated, story,
     assert sorted(acceptance) == ["finetuned", "warm start"]
     assert acceptance["finetuned"]["held-out"] == evaluation["mean_acceptance_length"]
 
-    run = materialize(definitions, instance, "promoted_drafter")
+    run = evaluated["runs"]["promoted_drafter"]  # what promotion_automation asked for
     assert run.success
     (check,) = run.get_asset_check_evaluations()
     assert (check.check_name, check.passed) == ("candidate_beats_promoted", True)
