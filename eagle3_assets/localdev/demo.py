@@ -2,25 +2,41 @@
 
 Builds the world (by default the Kimi one: DeepSeek-V3 targets, a remote-code tokenizer, a
 thinking template; `--world llama` for the Llama one), starts vLLM on the newer target (it
-plays Kimi-K2.5), starts the Dagster
-daemon, and follows what a user would watch in the UI: the readiness sensor observing the
-server load and become ready; the launch run it requests (the drafter download beside the
-first batch); the other batches; each batch's hidden states; the finetuning once every batch
-is extracted; the evaluation of warm start vs finetuned drafter in vLLM. Stopped halfway
-(Ctrl-C), it resumes when run again: every asset keeps its progress on disk, and the daemon
-retries the runs the stop interrupted.
+plays Kimi-K2.5), starts the Dagster daemon, and follows what a user would watch in the UI,
+in three acts.
+1. The readiness sensor observes the server load and become ready; the launch run it requests
+   (the drafter download beside the first batch); the other batches; each batch's hidden
+   states; the finetuning once every batch is extracted; the evaluation of warm start vs
+   finetuned drafter in vLLM; its promotion, and serving restarted with it.
+2. A file of another kind of prompt (questions about Python's data model, which the pool never
+   asked) arrives in the inbox: its batches, a retraining from the promoted drafter, its
+   evaluation, its promotion, and the served acceptance on that kind of prompt, before and
+   after.
+3. More of that traffic arrives while training is set to a few steps: the poor candidate is
+   refused and serving keeps the better drafter.
+Stopped anywhere (Ctrl-C), it resumes when run again: every asset keeps its progress on disk,
+the daemon retries the runs the stop interrupted, and each act goes on from what is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+from eagle3_assets.lib.core.atomic_files import write_atomically
+from eagle3_assets.lib.evaluation.promotion import Decision, Registry
+from eagle3_assets.lib.serving.rollout import drafter_of, last_good
 from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
+    VLLMLaunchSpec,
+    launched_spec,
     log_tail,
     read_pid,
     start,
@@ -34,7 +50,8 @@ from eagle3_assets.localdev.miniature import (
     miniature_server,
 )
 from eagle3_assets.localdev.processes import running_daemon
-from eagle3_assets.localdev.world import build_world
+from eagle3_assets.localdev.prompts import DATA_MODEL_TOPICS, split_by_kind
+from eagle3_assets.localdev.world import World, build_world
 
 DEMO_WORLDS = {"kimi": "kimi-demo", "llama": "demo"}  # `make demo WORLD=llama`: the Llama one
 LAUNCH_JOB = "launch"
@@ -125,30 +142,38 @@ def follow_launch(
 
 
 # The miniature's recipe: greedy answers (evaluation is greedy too), the automation on, the
-# backfill schedule every minute instead of every 15, a short finetuning at a warm-start lr.
+# backfill schedule and the maintenance window every minute instead of every 15 and nightly,
+# a short finetuning at a warm-start lr.
 DEMO_SETTINGS = {
-    "EAGLE3_BATCH_SIZE": "50",
+    "EAGLE3_BATCH_SIZE": "40",
     "EAGLE3_MAX_TOKENS": "128",
     "EAGLE3_TEMPERATURE": "0",
     "EAGLE3_AUTOMATION": "1",
     "EAGLE3_BACKFILL_CRON": "* * * * *",
+    "EAGLE3_MAINTENANCE_CRON": "* * * * *",
     "EAGLE3_TRAIN_STEPS": "200",
     "EAGLE3_TRAIN_LR": "1e-3",
     "EAGLE3_HOLDOUT_FRACTION": "0.05",
 }
+POOR_CANDIDATE = {"EAGLE3_TRAIN_STEPS": "3"}  # the third act: a deliberately poor candidate
 
 # What the narration prints of each materialization.
 SUMMARY = {
     "drafter_checkpoint": ("repo_id", "parameters", "aux_layer_ids_vllm"),
     "synthetic_generations": ("samples", "completion_tokens", "output_tokens_per_s"),
     "hidden_states": ("samples", "tokens", "size", "tokens_per_s"),
-    "eagle3_drafter": ("steps", "final_loss", "final_accuracy_by_position", "seconds"),
+    "eagle3_drafter": ("steps", "warm_start_version", "new_batches", "final_loss", "seconds"),
     "drafter_evaluation": (
+        "incumbent",
         "mean_acceptance_length_warm_start",
         "mean_acceptance_length",
         "speedup",
     ),
+    "promoted_drafter": ("verdict", "serving", "reason"),
+    "served_drafter": ("drafter", "mean_acceptance_length"),
 }
+
+T = TypeVar("T")
 
 
 def run_label(run) -> str:
@@ -162,46 +187,74 @@ def run_label(run) -> str:
     return f"{what}[{partition}]" if partition else what
 
 
-def follow_pipeline(instance, started: float, since: float, timeout_s: float, say):
-    """Narrate runs and materializations after `since` until drafter_evaluation is
-    materialized; return that materialization's record."""
-    import datetime
+class Narrator:
+    """Prints the runs and materializations made since the demo started, as the UI lists
+    them, while waiting for the story's next step."""
 
-    import dagster as dg
+    def __init__(self, instance, started: float, since: float, say) -> None:
+        import datetime
 
-    statuses: dict[str, object] = {}
-    cursors: dict[str, str | None] = dict.fromkeys(SUMMARY)
-    after = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        clock = f"+{time.monotonic() - started:4.0f}s"
-        for run in reversed(instance.get_runs(filters=dg.RunsFilter(created_after=after))):
-            if statuses.get(run.run_id) != run.status:
-                statuses[run.run_id] = run.status
-                say(f"{clock} run {run.run_id[:8]} {run_label(run)}: {run.status.value}")
+        self.instance, self.started, self.since, self.say = instance, started, since, say
+        self.after = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
+        self.statuses: dict[str, object] = {}
+        self.cursors: dict[str, str | None] = dict.fromkeys(SUMMARY)
+
+    def until(self, step: Callable[[], T | None], what: str, timeout_s: float = 3600) -> T:
+        """Narrate until `step()` returns something (the story's next step is done)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.narrate()
+            if (done := step()) is not None:
+                return done
+            time.sleep(2)
+        raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
+
+    def narrate(self) -> None:
+        import dagster as dg
+
+        clock = f"+{time.monotonic() - self.started:4.0f}s"
+        for run in reversed(
+            self.instance.get_runs(filters=dg.RunsFilter(created_after=self.after))
+        ):
+            if self.statuses.get(run.run_id) != run.status:
+                self.statuses[run.run_id] = run.status
+                self.say(f"{clock} run {run.run_id[:8]} {run_label(run)}: {run.status.value}")
         for key, fields in SUMMARY.items():
-            found = instance.fetch_materializations(
-                dg.AssetKey(key), limit=100, cursor=cursors[key], ascending=True
+            found = self.instance.fetch_materializations(
+                dg.AssetKey(key), limit=100, cursor=self.cursors[key], ascending=True
             )
-            cursors[key] = found.cursor
+            self.cursors[key] = found.cursor
             for record in found.records:
-                if record.timestamp < since:
+                if record.timestamp < self.since:
                     continue
                 materialization = record.asset_materialization
                 meta = {k: v.value for k, v in materialization.metadata.items()}
                 partition = f"[{materialization.partition}]" if materialization.partition else ""
-                say(
+                self.say(
                     f"{clock} {key}{partition}: "
                     + ", ".join(f"{f}={meta[f]}" for f in fields if f in meta)
                 )
-                if key == "drafter_evaluation":
-                    return record
-        time.sleep(2)
-    raise TimeoutError(f"no drafter_evaluation after {timeout_s:.0f}s")
+
+
+def evaluated(instance, after: float = 0.0):
+    """drafter_evaluation's latest record once its run is over, if it evaluated the latest
+    drafter and that drafter was trained after `after` (epoch seconds); else None."""
+    import dagster as dg
+
+    def latest(key: str):
+        records = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
+        return records[0] if records else None
+
+    evaluation, drafter = latest("drafter_evaluation"), latest("eagle3_drafter")
+    if not (evaluation and drafter and drafter.timestamp > after):
+        return None
+    if evaluation.storage_id < drafter.storage_id:
+        return None
+    return evaluation if instance.get_run_by_id(evaluation.run_id).is_finished else None
 
 
 def outcome(instance, record, say) -> int:
-    """The before/after table, the check's verdict, and where to look."""
+    """The evaluation's table and its check's verdict."""
     import dagster as dg
 
     from eagle3_assets.lib.evaluation.evaluate import comparison_table
@@ -211,15 +264,194 @@ def outcome(instance, record, say) -> int:
     verdicts = [c.dagster_event.event_specific_data for c in checks]
     table = comparison_table([row.data for row in meta["comparison"].records])
     print("\n" + table + "\n", flush=True)
-    say(f"serve it: {meta['serve_with']}")
     for check in verdicts:
         say(f"check {check.check_name}: {'passed' if check.passed else 'FAILED'}")
+    return 0 if verdicts and all(c.passed for c in verdicts) else 1
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The story's prompts: the first act's pool (every kind but one), then two files of the
+    kind it never asked (questions about Python's data model) that the second and third acts
+    drop in the inbox."""
+
+    pool: Path
+    arrivals: tuple[Path, Path]
+    inbox: Path
+    of_the_new_kind: list[list[dict]]  # the fixed held-out set's data-model questions
+
+    def dropped(self, arrival: Path) -> bool:
+        return (self.inbox / arrival.name).exists()
+
+    def arrived(self, arrival: Path) -> float:
+        """When `arrival` was dropped (epoch seconds): a drafter trained since learnt it."""
+        return (self.inbox / arrival.name).stat().st_mtime
+
+    def drop(self, arrival: Path) -> None:
+        """As a gateway does: written beside, then renamed in (never read half written)."""
+        write_atomically(self.inbox / arrival.name, arrival.read_bytes())
+
+
+def write_traffic(world: World, folder: Path, inbox: Path) -> Traffic:
+    """The world's prompts split by kind, three quarters of the new kind in the first file.
+    Written again with the same bytes on every start: the pool must never change once the
+    inbox counted it."""
+    pool, arriving = split_by_kind(world.prompts, world.heldout_prompts, world.spec.topic_keys())
+    cut = len(arriving) * 3 // 4
+    files = {
+        "pool.jsonl": pool,
+        "data-model-1.jsonl": arriving[:cut],
+        "data-model-2.jsonl": arriving[cut:],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    inbox.mkdir(parents=True, exist_ok=True)
+    for name, rows in files.items():
+        payload = "".join(json.dumps(row) + "\n" for row in rows).encode()
+        if not (folder / name).exists() or (folder / name).read_bytes() != payload:
+            write_atomically(folder / name, payload)
+    heldout = [json.loads(line) for line in world.heldout_prompts.read_text().splitlines()]
+    return Traffic(
+        pool=folder / "pool.jsonl",
+        arrivals=(folder / "data-model-1.jsonl", folder / "data-model-2.jsonl"),
+        inbox=inbox,
+        of_the_new_kind=[r["messages"] for r in heldout if r["source"] in DATA_MODEL_TOPICS],
+    )
+
+
+class Story:
+    """Where the story stands, read from the volume: the promotion registry's decisions, the
+    drafter serving confirmed (the replica's good.json) and the served acceptance measured on
+    the new kind of prompt, per drafter (`served.json`)."""
+
+    def __init__(self, data: Path, run_dir: Path) -> None:
+        self.registry = Registry(data / "promotion")
+        self.run_dir = run_dir
+        self.measured = data / "demo-served.json"
+
+    def decision(self, number: int) -> Decision | None:
+        decisions = self.registry.decisions()
+        return decisions[number - 1] if len(decisions) >= number else None
+
+    def serving(self) -> str:
+        """The name of the drafter the replica last served well."""
+        good = last_good(self.run_dir)
+        drafter = drafter_of(good) if good else None
+        names = {v.path: v.name for v in self.registry.versions()}
+        return names.get(drafter, drafter or "no drafter")
+
+    def serves_promoted(self) -> str | None:
+        current = self.registry.current()
+        return current.name if current and self.serving() == current.name else None
+
+    def served_acceptance(self) -> dict[str, float]:
+        return json.loads(self.measured.read_text()) if self.measured.exists() else {}
+
+    def record(self, drafter: str, acceptance: float) -> None:
+        write_atomically(
+            self.measured, json.dumps(self.served_acceptance() | {drafter: acceptance}).encode()
+        )
+
+
+def measure_served(story: Story, spec: VLLMLaunchSpec, traffic: Traffic, world: World, say):
+    """The serving replica's acceptance on the held-out data-model questions, from /metrics
+    (nothing else uses the replica meanwhile: every batch is generated)."""
+    from eagle3_assets.lib.evaluation.acceptance import measure_acceptance
+
+    drafter = story.serving()
+    if drafter not in story.served_acceptance():
+        served = measure_acceptance(
+            spec.base_url,
+            SERVED_TARGET_NAME,
+            traffic.of_the_new_kind,
+            max_tokens=int(DEMO_SETTINGS["EAGLE3_MAX_TOKENS"]),
+            chat_template_kwargs=world.spec.chat_template_kwargs,
+        )
+        story.record(drafter, round(served.mean_length, 3))
+    acceptance = story.served_acceptance()[drafter]
+    say(
+        f"served by {drafter}: mean acceptance length {acceptance:.3f} on the "
+        f"{len(traffic.of_the_new_kind)} held-out questions about Python's data model"
+    )
+
+
+def judged(story: Story, number: int, after: float, narrator: Narrator, say) -> bool | None:
+    """Whether candidate `number` (trained after `after`, epoch seconds) was promoted, once
+    its evaluation's table and the verdict are told; None if it failed its evaluation check
+    (nothing to judge)."""
+    if (decision := story.decision(number)) is None:
+        record = narrator.until(
+            lambda: evaluated(narrator.instance, after), f"evaluation of candidate {number}"
+        )
+        if outcome(narrator.instance, record, say):
+            say("the candidate failed its evaluation check: see drafter_evaluation in the UI")
+            return None
+        decision = narrator.until(lambda: story.decision(number), f"decision on {number}")
+    say(f"candidate {number} {'promoted' if decision.promoted else 'refused'}: {decision.reason}")
+    return decision.promoted
+
+
+def rolled_out(story: Story, narrator: Narrator, say) -> None:
+    served = narrator.until(story.serves_promoted, "rollout of the promoted drafter")
+    say(f"the maintenance window restarted serving with {served}")
+
+
+def first_act(story: Story, narrator: Narrator, say) -> int:
+    if not judged(story, 1, 0.0, narrator, say):
+        return 1
+    rolled_out(story, narrator, say)
+    return 0
+
+
+def second_act(
+    story: Story, narrator: Narrator, spec: VLLMLaunchSpec, traffic: Traffic, world: World, say
+) -> int:
+    arrival = traffic.arrivals[0]
+    if not traffic.dropped(arrival):
+        measure_served(story, spec, traffic, world, say)
+        rows = len(arrival.read_text().splitlines())
+        say(f"ACT 2: {arrival.name} arrives in the inbox: {rows} questions about Python's data "
+            "model, a kind the pool never asked")  # fmt: skip
+        traffic.drop(arrival)
+    if not judged(story, 2, traffic.arrived(arrival), narrator, say):
+        return 1
+    rolled_out(story, narrator, say)
+    measure_served(story, spec, traffic, world, say)
+    return 0
+
+
+def third_act(story: Story, narrator: Narrator, traffic: Traffic, say) -> int:
+    arrival = traffic.arrivals[1]
+    if not traffic.dropped(arrival):
+        rows = len(arrival.read_text().splitlines())
+        say(f"ACT 3: EAGLE3_TRAIN_STEPS={POOR_CANDIDATE['EAGLE3_TRAIN_STEPS']} (a deliberately "
+            f"poor candidate), and {arrival.name} arrives: {rows} more such questions")  # fmt: skip
+        traffic.drop(arrival)
+    if judged(story, 3, traffic.arrived(arrival), narrator, say) is not False:
+        return 1
+    say(f"serving keeps {story.serving()}")
+    return 0
+
+
+def epilogue(story: Story, say) -> int:
+    """The candidates judged, what serves, and the served acceptance on the new kind."""
+    decisions = story.registry.decisions()
+    for number, decision in enumerate(decisions, 1):
+        scores = ", ".join(f"{s} {v:.3f}" for s, v in decision.candidate_acceptance.items())
+        verdict = "promoted" if decision.promoted else "refused"
+        say(f"candidate {number} ({scores}) vs {decision.incumbent}: {verdict}")
+    served = story.served_acceptance()
+    say(f"serving: {story.serving()}; served acceptance on the held-out data-model questions: "
+        + ", ".join(f"{d} {a:.3f}" for d, a in served.items()))  # fmt: skip
     say(
         "look in the web UI: `make ui` -> http://127.0.0.1:3000 ; Assets -> Lineage for the "
-        "graph; drafter_evaluation -> the table, the per-position chart and the training-time "
-        "accuracy; eagle3_drafter -> the loss curves; Runs -> any run's log"
+        "graph; drafter_evaluation -> the table per prompt set; promoted_drafter -> the "
+        "history chart and the check's reasons; eagle3_drafter -> the loss curves; Runs -> any "
+        "run's log"
     )
-    return 0 if verdicts and all(c.passed for c in verdicts) else 1
+    verdicts = [d.promoted for d in decisions]
+    measured = list(served.values())
+    rose = len(measured) == 2 and measured[1] > measured[0]
+    return 0 if verdicts == [True, True, False] and rose else 1
 
 
 def claim_data(data: Path, size: str) -> str | None:
@@ -232,6 +464,53 @@ def claim_data(data: Path, size: str) -> str | None:
     data.mkdir(parents=True, exist_ok=True)
     marker.write_text(size + "\n")
     return None
+
+
+def serving_spec(world: World, data: Path, port: int) -> VLLMLaunchSpec:
+    """The replica as it was last started (with the drafter a rollout gave it), or plain."""
+    plain = miniature_server(
+        world.target_v2, data / "vllm", port, SERVED_TARGET_NAME, world.spec.trust_remote_code
+    )
+    return launched_spec(plain.run_dir) if (plain.run_dir / "launch.json").exists() else plain
+
+
+def ensure_serving(spec: VLLMLaunchSpec, say) -> bool:
+    current = probe(spec.base_url)
+    if current.healthy and SERVED_TARGET_NAME in current.model_ids:
+        say(f"vLLM already serves {SERVED_TARGET_NAME} at {spec.base_url}: reusing it")
+        return True
+    before = read_pid(spec.pid_file)
+    try:
+        pid = start(spec)  # the server a previous demo started, if it is still loading
+    except LaunchError as error:
+        say(f"cannot start vLLM: {error}")
+        return False
+    if pid == before:
+        say(
+            f"waiting for the vLLM server it started before (pid {pid}) to finish loading; "
+            f"log: {spec.log_file}"
+        )
+    else:
+        say(
+            f"vLLM starting (pid {pid}) at {spec.base_url}, serving {Path(spec.model).name} as "
+            f"{SERVED_TARGET_NAME}; log: {spec.log_file}"
+        )
+    return True
+
+
+def wait_idle(instance, timeout_s: float = 600) -> None:
+    """Until no run is queued or in flight (a daemon stopped now interrupts nothing)."""
+    import dagster as dg
+
+    busy = [
+        dg.DagsterRunStatus.QUEUED,
+        dg.DagsterRunStatus.NOT_STARTED,
+        dg.DagsterRunStatus.STARTING,
+        dg.DagsterRunStatus.STARTED,
+    ]
+    deadline = time.monotonic() + timeout_s
+    while instance.get_runs_count(dg.RunsFilter(statuses=busy)) and time.monotonic() < deadline:
+        time.sleep(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,72 +537,50 @@ def main(argv: list[str] | None = None) -> int:
     say("the world's warm-start drafter: EAGLE-3 trained on target-v1 (built once)")
     sha = publish_local_drafter(world, hub, draft_vocab_size=1024)
     say(f"local hub: {LOCAL_DRAFTER_REPO}@{sha[:12]} (the drafter for target-v1) in {hub}")
-    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
-        done = complete(instance)
-        if done is not None:
-            say("the story is complete already (`make clean` starts it over):")
-            return outcome(instance, done, say)
-
-    spec = miniature_server(
-        world.target_v2, data / "vllm", port, SERVED_TARGET_NAME, world.spec.trust_remote_code
-    )
-    current = probe(spec.base_url)
-    if current.healthy and SERVED_TARGET_NAME in current.model_ids:
-        say(f"vLLM already serves {SERVED_TARGET_NAME} at {spec.base_url}: reusing it")
-    else:
-        before = read_pid(spec.pid_file)
-        try:
-            pid = start(spec)  # the server a previous demo started, if it is still loading
-        except LaunchError as error:
-            say(f"cannot start vLLM: {error}")
-            return 1
-        if pid == before:
-            say(
-                f"waiting for the vLLM server it started before (pid {pid}) to finish loading; "
-                f"log: {spec.log_file}"
-            )
-        else:
-            say(
-                f"vLLM starting (pid {pid}) at {spec.base_url}, serving {world.target_v2.name} "
-                f"as {SERVED_TARGET_NAME}; log: {spec.log_file}"
-            )
+    traffic = write_traffic(world, data / "traffic", data / "incoming")
+    spec = serving_spec(world, data, port)
+    story = Story(data, spec.run_dir)
+    if story.decision(3) is not None:
+        say("the story is complete already (`make clean` starts it over):")
+        return epilogue(story, say)
+    if not ensure_serving(spec, say):
+        return 1
 
     env = miniature_env(world, hub, spec.base_url, data, SERVED_TARGET_NAME) | DEMO_SETTINGS
-    with running_daemon(dagster_home, env, data / "dagster-daemon.log"):
-        say(
-            f"dagster daemon running (DAGSTER_HOME={dagster_home}); the readiness sensor "
-            "ticks every 10 s"
-        )
-        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
-            try:
-                run = follow_launch(
-                    instance, started, timeout_s=900, say=say, since=since, base_url=spec.base_url
-                )
-                if run.status != dg.DagsterRunStatus.SUCCESS:  # and no retry is coming
-                    say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
+    env |= {
+        "EAGLE3_PROMPTS": str(traffic.pool),
+        "EAGLE3_INBOX": str(traffic.inbox),
+        "EAGLE3_SERVING_RUN_DIRS": str(spec.run_dir),
+    }
+    daemon_log = data / "dagster-daemon.log"
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        narrator = Narrator(instance, started, since, say)
+        try:
+            if not traffic.dropped(traffic.arrivals[1]):  # the third act runs its own recipe
+                with running_daemon(dagster_home, env, daemon_log):
+                    say(f"dagster daemon running (DAGSTER_HOME={dagster_home}); the readiness "
+                        "sensor ticks every 10 s")  # fmt: skip
+                    run = follow_launch(instance, started, 900, say, since, spec.base_url)
+                    if run.status != dg.DagsterRunStatus.SUCCESS:  # and no retry is coming
+                        say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
+                        return 1
+                    status = first_act(story, narrator, say) or second_act(
+                        story, narrator, spec, traffic, world, say
+                    )
+                    if status:
+                        return status
+                    wait_idle(instance)
+            with running_daemon(dagster_home, env | POOR_CANDIDATE, daemon_log):
+                if third_act(story, narrator, traffic, say):
                     return 1
-                record = follow_pipeline(instance, started, since, timeout_s=3600, say=say)
-            except TimeoutError as error:
-                say(f"{error}; vLLM log tail:\n{log_tail(spec)}")
-                return 1
-            say(f"done in {time.monotonic() - started:.0f}s")
-            status = outcome(instance, record, say)
+                wait_idle(instance)
+        except TimeoutError as error:
+            say(f"{error}; vLLM log tail:\n{log_tail(spec)}")
+            return 1
+    say(f"done in {time.monotonic() - started:.0f}s")
+    status = epilogue(story, say)
     say(f"vLLM keeps running at {spec.base_url} (`make stop` stops it)")
     return status
-
-
-def complete(instance):
-    """drafter_evaluation's latest record if it evaluated the latest drafter, else None."""
-    import dagster as dg
-
-    def latest(key: str):
-        records = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
-        return records[0] if records else None
-
-    evaluation, drafter = latest("drafter_evaluation"), latest("eagle3_drafter")
-    if evaluation and drafter and evaluation.storage_id > drafter.storage_id:
-        return evaluation
-    return None
 
 
 if __name__ == "__main__":

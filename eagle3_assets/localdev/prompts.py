@@ -110,3 +110,31 @@ def _chosen_ids(candidates: list[dict], num_prompts: int) -> set[str]:
     if num_prompts > len(candidates):
         raise ValueError(f"num_prompts={num_prompts} exceeds the {len(candidates)} candidates")
     return set(sorted(c["prompt_id"] for c in candidates)[:num_prompts])
+
+
+# The demo's second act: traffic of another kind arrives, questions about Python's data model
+# (the built-in types, their methods, the special names that customize objects).
+DATA_MODEL_TOPICS = frozenset(
+    {
+        "bltin-code-objects", "bltin-ellipsis-object", "bltin-null-object",
+        "bltin-type-objects", "callable-types", "customization", "dict", "lists",
+        "numeric-types", "objects", "sequence-types", "specialattrs", "specialnames",
+        "string-methods", "types", "typesfunctions", "typesmapping", "typesmethods",
+        "typesmodules", "typesseq", "typesseq-mutable",
+    }
+)  # fmt: skip
+
+
+def split_by_kind(
+    pool_path: Path, heldout_path: Path, topic_keys: tuple[str, ...] | None
+) -> tuple[list[dict], list[dict]]:
+    """The pool without data-model questions, and the data-model questions that arrive later:
+    the pool's and the unasked ones, by id (the held-out file keeps its own, so the fixed
+    evaluation set asks both kinds from the start)."""
+    pool = [json.loads(line) for line in pool_path.read_text().splitlines()]
+    heldout = {json.loads(line)["prompt_id"] for line in heldout_path.read_text().splitlines()}
+    asked = {row["prompt_id"] for row in pool} | heldout
+    unasked = [c for c in candidate_conversations(topic_keys) if c["prompt_id"] not in asked]
+    arriving = [c for c in pool + unasked if c["source"] in DATA_MODEL_TOPICS]
+    first = [row for row in pool if row["source"] not in DATA_MODEL_TOPICS]
+    return first, sorted(arriving, key=lambda c: c["prompt_id"])

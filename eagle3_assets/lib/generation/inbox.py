@@ -98,6 +98,12 @@ class Inbox:
         files by time registers them in arrival order)."""
         if not self.folder.is_dir():
             raise FileNotFoundError(f"EAGLE3_INBOX: expected a folder, found none at {self.folder}")
+        if self.state_dir.resolve().is_relative_to(self.folder.resolve()):
+            raise ValueError(
+                f"EAGLE3_INBOX: expected a folder outside the inbox's own ledger and snapshots "
+                f"({self.state_dir}), found {self.folder}, which holds them: they would be read "
+                "as new files"
+            )
         entries = self.ledger()
         seen = {(entry.name, tuple(entry.stat)) for entry in entries}
         known = {(entry.name, entry.sha256) for entry in entries}

@@ -138,6 +138,19 @@ def test_a_missing_inbox_folder_is_named(tmp_path):
         inbox.pending()
 
 
+@pytest.mark.parametrize("state", ["", "state"])
+def test_an_inbox_folder_holding_its_own_ledger_is_refused(tmp_path, state):
+    """EAGLE3_INBOX at the data volume's inbox/ (or above it) would read the ledger and the
+    snapshots as new files, again at every tick."""
+    (tmp_path / "inbox").mkdir()
+    drop(tmp_path / "inbox", "a.jsonl", range(10))
+    inbox = Inbox(tmp_path / "inbox", tmp_path / "inbox" / state, 0.1)
+    with pytest.raises(ValueError, match="EAGLE3_INBOX: expected a folder outside") as refused:
+        inbox.register([])
+    assert f"found {tmp_path / 'inbox'}, which holds them" in str(refused.value)
+    assert inbox.ledger() == []
+
+
 def test_registered_files_are_hashed_again_only_when_size_or_time_change(inbox, monkeypatch):
     from eagle3_assets.lib.generation import inbox as inbox_module
 
