@@ -248,9 +248,11 @@ def evaluated(instance, after: float = 0.0):
     evaluation, drafter = latest("drafter_evaluation"), latest("eagle3_drafter")
     if not (evaluation and drafter and drafter.timestamp > after):
         return None
-    if evaluation.storage_id < drafter.storage_id:
+    if evaluation.storage_id < drafter.storage_id or not (
+        instance.get_run_by_id(evaluation.run_id).is_finished  # its check is recorded
+    ):
         return None
-    return evaluation if instance.get_run_by_id(evaluation.run_id).is_finished else None
+    return evaluation
 
 
 def outcome(instance, record, say) -> int:
@@ -321,7 +323,7 @@ def write_traffic(world: World, folder: Path, inbox: Path) -> Traffic:
 class Story:
     """Where the story stands, read from the volume: the promotion registry's decisions, the
     drafter serving confirmed (the replica's good.json) and the served acceptance measured on
-    the new kind of prompt, per drafter (`served.json`)."""
+    the new kind of prompt, per drafter (`demo-served.json`)."""
 
     def __init__(self, data: Path, run_dir: Path) -> None:
         self.registry = Registry(data / "promotion")

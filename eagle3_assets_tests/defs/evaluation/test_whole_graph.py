@@ -1,14 +1,17 @@
 """The whole story on the test-size world, through a real Dagster instance: the sensors' ticks
 evaluated against it as the daemon would (readiness -> launch run -> further batches ->
 hidden states -> training -> evaluation), each requested run executed, ending with a drafter
-evaluated in real vLLM. Then a broken export (the right weights told the wrong layers) must
-fail the evaluation's blocking check.
+evaluated in real vLLM, and promoted. Then a broken export (the right weights told the wrong
+layers) must fail the evaluation's blocking check and is refused, not better; a candidate worse
+on every set is refused too.
 
 Servers: the session's plain vLLM serves generation; drafter_evaluation starts its own, one at
 a time (without drafter, warm start, finetuned, then the broken one).
 """
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import dagster as dg
@@ -276,3 +279,29 @@ def test_a_worse_candidate_is_refused_and_the_promoted_drafter_stays(evaluated, 
     meta = metadata(instance, "promoted_drafter")
     assert (meta["serving"], meta["versions"], meta["verdict"]) == ("promoted v001", 1, "refused")
     assert meta["history"].splitlines()[-1].endswith("| promoted v001 | refused | v001 |")
+
+
+def test_a_measurably_worse_candidate_is_refused_on_every_set(evaluated, story):
+    """A candidate that is the warm start again (a training that never moved it): served in
+    vLLM (the warm start's own measurements, keyed by bytes: no server starts), it falls
+    short of v001 on every set, and v001 keeps serving."""
+    definitions, instance = story
+    export = Path(metadata(instance, "eagle3_drafter")["export"])
+    warm_start = Path(os.environ["EAGLE3_DATA_ROOT"], "evaluation", "warm_start")
+    for path in warm_start.iterdir():
+        shutil.copyfile(path, export / path.name)
+
+    materialize(definitions, instance, "drafter_evaluation")
+    acceptance = metadata(instance, "drafter_evaluation")["acceptance_by_set"]
+    candidate, incumbent = acceptance["finetuned"], acceptance["promoted v001"]
+    assert candidate == acceptance["warm start"]
+    run = materialize(definitions, instance, "promoted_drafter")
+    (check,) = run.get_asset_check_evaluations()
+    assert not check.passed
+    assert check.description.split("; ") == [
+        f"{s}: {candidate[s]:.3f} vs promoted v001 {incumbent[s]:.3f} (needs >= "
+        f"{incumbent[s] * 1.02:.3f}, margin 2%)"
+        for s in incumbent
+    ]
+    assert all(candidate[s] < incumbent[s] for s in incumbent)  # worse, not only not better
+    assert metadata(instance, "promoted_drafter")["serving"] == "promoted v001"
