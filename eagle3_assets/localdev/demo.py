@@ -334,16 +334,21 @@ class Story:
         decisions = self.registry.decisions()
         return decisions[number - 1] if len(decisions) >= number else None
 
-    def serving(self) -> str:
-        """The name of the drafter the replica last served well."""
+    def served_drafter(self) -> str | None:
+        """The path of the drafter the replica last served well."""
         good = last_good(self.run_dir)
-        drafter = drafter_of(good) if good else None
+        return drafter_of(good) if good else None
+
+    def serving(self) -> str:
+        """The name of the drafter the replica last served well (for the narration)."""
+        drafter = self.served_drafter()
         names = {v.path: v.name for v in self.registry.versions()}
         return names.get(drafter, drafter or "no drafter")
 
     def serves_promoted(self) -> str | None:
+        """Polled every 2 s: two small reads, not every version's record."""
         current = self.registry.current()
-        return current.name if current and self.serving() == current.name else None
+        return current.name if current and self.served_drafter() == current.path else None
 
     def served_acceptance(self) -> dict[str, float]:
         return json.loads(self.measured.read_text()) if self.measured.exists() else {}
