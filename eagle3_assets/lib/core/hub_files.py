@@ -34,17 +34,15 @@ def local_file(source: str, cache_dir: str | None = None, token: str | None = No
         return Path(source)
     from huggingface_hub import hf_hub_download
 
-    spec, _, revision = source[len(HF_DATASETS) :].partition("@")
-    parts = spec.split("/", 2)
-    if len(parts) != 3 or not all(parts):
-        raise ValueError(f"{source!r}: expected hf://datasets/<org>/<name>/<file>[@<revision>]")
-    org, name, filename = parts
+    (org, name, filename), revision = _dataset_path(
+        source, 3, "hf://datasets/<org>/<name>/<file>[@<revision>]"
+    )
     return Path(
         hf_hub_download(
             f"{org}/{name}",
             filename,
             repo_type="dataset",
-            revision=revision or None,
+            revision=revision,
             cache_dir=cache_dir or hub_cache_dir(),
             token=token,
             local_files_only=hub_offline(),
@@ -60,15 +58,12 @@ def dataset_snapshot(
     shares is not fetched again), as a local snapshot folder, and that revision's commit sha."""
     from huggingface_hub import snapshot_download
 
-    spec, _, revision = source.removeprefix(HF_DATASETS).partition("@")
-    org, _, name = spec.partition("/")
-    if not source.startswith(HF_DATASETS) or not org or not name or "/" in name:
-        raise ValueError(f"{source!r}: expected hf://datasets/<org>/<name>[@<branch>]")
+    (org, name), revision = _dataset_path(source, 2, "hf://datasets/<org>/<name>[@<branch>]")
     folder = Path(
         snapshot_download(
             f"{org}/{name}",
             repo_type="dataset",
-            revision=revision or None,
+            revision=revision,
             allow_patterns=patterns,
             cache_dir=cache_dir or hub_cache_dir(),
             token=token,
@@ -76,3 +71,13 @@ def dataset_snapshot(
         )
     )
     return folder, folder.name  # <cache>/datasets--org--name/snapshots/<commit sha>
+
+
+def _dataset_path(source: str, parts: int, form: str) -> tuple[list[str], str | None]:
+    """`source` cut into its path after hf://datasets/ (`parts` parts: org, name and, with
+    3, the file, which keeps its slashes) and its revision; a ValueError naming `form`."""
+    spec, _, revision = source.removeprefix(HF_DATASETS).partition("@")
+    split = spec.split("/", 2)
+    if not source.startswith(HF_DATASETS) or not all(split) or len(split) != parts:
+        raise ValueError(f"{source!r}: expected {form}")
+    return split, revision or None
