@@ -107,12 +107,15 @@ class Inbox:
         entries = self.ledger()
         seen = {(entry.name, tuple(entry.stat)) for entry in entries}
         known = {(entry.name, entry.sha256) for entry in entries}
-        candidates = sorted(
-            (self._name(path), path)
+        files = {
+            self._name(path): path
             for path in self.folder.rglob("*")
-            if path.is_file()
-            and path.suffix in SUFFIXES
-            and not any(part.startswith(".") for part in path.relative_to(self.folder).parts)
+            if path.is_file() and path.suffix in SUFFIXES
+        }
+        candidates = sorted(
+            (name, path)
+            for name, path in files.items()
+            if not any(part.startswith(".") for part in name.split("/"))
         )
         return [
             path
