@@ -381,9 +381,9 @@ def measure_served(story: Story, spec: VLLMLaunchSpec, traffic: Traffic, world: 
     )
 
 
-def judged(story: Story, number: int, after: float, narrator: Narrator, say) -> bool | None:
-    """Whether candidate `number` (trained after `after`, epoch seconds) was promoted, once
-    its evaluation's table and the verdict are told; None if it failed its evaluation check
+def judged(story: Story, number: int, after: float, narrator: Narrator, say) -> Decision | None:
+    """The decision on candidate `number` (trained after `after`, epoch seconds), once its
+    evaluation's table and the verdict are told; None if it failed its evaluation check
     (nothing to judge)."""
     if (decision := story.decision(number)) is None:
         record = narrator.until(
@@ -394,7 +394,7 @@ def judged(story: Story, number: int, after: float, narrator: Narrator, say) -> 
             return None
         decision = narrator.until(lambda: story.decision(number), f"decision on {number}")
     say(f"candidate {number} {'promoted' if decision.promoted else 'refused'}: {decision.reason}")
-    return decision.promoted
+    return decision
 
 
 def rolled_out(story: Story, narrator: Narrator, say) -> None:
@@ -403,7 +403,8 @@ def rolled_out(story: Story, narrator: Narrator, say) -> None:
 
 
 def first_act(story: Story, narrator: Narrator, say) -> int:
-    if not judged(story, 1, 0.0, narrator, say):
+    decision = judged(story, 1, 0.0, narrator, say)
+    if decision is None or not decision.promoted:
         return 1
     rolled_out(story, narrator, say)
     return 0
@@ -419,7 +420,8 @@ def second_act(
         say(f"ACT 2: {arrival.name} arrives in the inbox: {rows} questions about Python's data "
             "model, a kind the pool never asked")  # fmt: skip
         traffic.drop(arrival)
-    if not judged(story, 2, traffic.arrived(arrival), narrator, say):
+    decision = judged(story, 2, traffic.arrived(arrival), narrator, say)
+    if decision is None or not decision.promoted:
         return 1
     rolled_out(story, narrator, say)
     measure_served(story, spec, traffic, world, say)
@@ -433,7 +435,8 @@ def third_act(story: Story, narrator: Narrator, traffic: Traffic, say) -> int:
         say(f"ACT 3: EAGLE3_TRAIN_STEPS={POOR_CANDIDATE['EAGLE3_TRAIN_STEPS']} (a deliberately "
             f"poor candidate), and {arrival.name} arrives: {rows} more such questions")  # fmt: skip
         traffic.drop(arrival)
-    if judged(story, 3, traffic.arrived(arrival), narrator, say) is not False:
+    decision = judged(story, 3, traffic.arrived(arrival), narrator, say)
+    if decision is None or decision.promoted:  # the poor candidate must be refused
         return 1
     say(f"serving keeps {story.serving()}")
     return 0
