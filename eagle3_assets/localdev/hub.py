@@ -200,8 +200,8 @@ def trained_layers(nested_ids: Sequence[int], reading: Reading) -> tuple[int, ..
 
 def published_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The vLLM ids the world's published drafter was trained on: what a user who knows its
-    history sets as EAGLE3_AUX_LAYER_IDS (the miniature's adjacent layers are too alike for
-    the layer probe to tell its two readings apart)."""
+    history sets as EAGLE3_AUX_LAYER_IDS (trained briefly, it is too far from rest for the
+    layer probe to tell its two readings apart reliably)."""
     return trained_layers(default_aux_layers(num_layers), PUBLISHED_READING)
 
 
@@ -213,15 +213,15 @@ def train_world_drafter(
     AQ-MedAI's drafter was trained for Kimi-K2. Its nested list is vLLM's default for the
     target, and it is trained on that list's `reading`: the two drafters of the two readings
     have the same config and differ only in the layers their weights learned. Built once per
-    world, vocab size and reading (in a temp dir renamed into place), so republishing is a
-    no-op."""
+    world, vocab size, steps and reading (in a temp dir renamed into place), so republishing
+    is a no-op."""
     from eagle3_assets.lib.checkpoint.layer_probe import LayerIdDecision, pin_layer_ids
     from eagle3_assets.lib.hidden_states.extract import LayerSelection
     from eagle3_assets.lib.training.train_drafter import RunConfig, train
     from eagle3_assets.localdev.greedy import greedy_hidden_states
 
     reading = Reading(reading)
-    name = f"k2-drafter-{draft_vocab_size}-{reading}-v{DRAFTER_RECIPE_VERSION}"
+    name = f"k2-drafter-{draft_vocab_size}-{reading}-{steps}-v{DRAFTER_RECIPE_VERSION}"
     out_dir = world.root / name
     if (out_dir / "model.safetensors").exists():
         return out_dir

@@ -69,8 +69,8 @@ def miniature_env(
         "EAGLE3_DATA_ROOT": str(data_root),
         "EAGLE3_DRAFTER_REPO": LOCAL_DRAFTER_REPO,
         # the layers the world's drafter was trained on, as a user who knows its history sets
-        # them: the miniature's adjacent layers are too alike for the layer probe to tell
-        # the two readings of its nested ids apart (it refuses to guess)
+        # them: trained briefly, it is too far from rest on unseen answers for the layer
+        # probe to tell the two readings of its nested ids apart reliably
         "EAGLE3_AUX_LAYER_IDS": ",".join(map(str, published_aux_layers(layers))),
         "EAGLE3_HF_CACHE": str(hub_cache),
         "HF_HUB_OFFLINE": "1",  # the miniature world never reaches a hub

@@ -6,10 +6,14 @@ default for 61 layers, so it may be vLLM ids. Read one way the drafter is fed [3
 the other [2, 30, 58]; only the weights know which they were trained on. So when both
 readings are valid for the target and differ (`layer_ids.nested_readings`), the served target
 answers a few held-out prompts, their states are extracted at the union of both readings'
-layers, and the drafter is scored both ways on the same samples, teacher-forced
-(`train_drafter.heldout_accuracy`). The reading whose step-0 loss is clearly lower, by a
-paired test over the samples (`CLEARLY_BETTER`), wins; when neither is, the user must say
-(EAGLE3_AUX_LAYER_IDS) instead of the pipeline guessing.
+layers, and the drafter is measured both ways on the same samples: how near rest its weights
+are (`lib/training/stationarity.py`: training leaves a drafter at a stationary point of its
+loss for the layers it learnt on, and nowhere else), and, for the user, its teacher-forced
+loss and accuracy (`train_drafter.heldout_accuracy`). The reading clearly nearer rest, by a
+jackknife test over the samples (`CLEARLY_BETTER`), wins; when neither is, the user must say
+(EAGLE3_AUX_LAYER_IDS) instead of the pipeline guessing. The loss does not decide: later
+layers carry more about the next token, so it leans towards the later reading whichever the
+drafter learnt on.
 
 Whatever decides the ids (the probe or the user), they are pinned in the downloaded config:
 top-level ids in vLLM convention, the nested list rewritten consistently, the published
@@ -24,7 +28,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +43,7 @@ from eagle3_assets.lib.core.layer_ids import (
     vllm_to_sglang,
 )
 from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.training.stationarity import Stationarity
 
 if TYPE_CHECKING:  # torch, pyarrow: imported where used
     from contextlib import AbstractContextManager
@@ -47,36 +52,36 @@ if TYPE_CHECKING:  # torch, pyarrow: imported where used
     from eagle3_assets.lib.generation.settings import GenerationConfig
     from eagle3_assets.lib.hidden_states.extract import ExtractionSettings, StateSource
 
-PROBE_TTT_STEPS = 3  # recorded for the user; the choice reads step 0 alone
-PROBE_VERSION = 2  # part of probe_key: scores an older probe measured are measured again
+PROBE_TTT_STEPS = 3  # accuracy recorded for the user; the choice reads step 0 alone
+PROBE_VERSION = 3  # part of probe_key: scores an older probe measured are measured again
 PIN_FIELD = "eagle3_assets_aux_layer_ids"  # config.json: how the top-level ids were decided
 OVERRIDE_VARIABLE = "EAGLE3_AUX_LAYER_IDS"
 
 
 @dataclass(frozen=True)
 class Clearly:
-    """When one reading is "clearly" better than the other: on the same probe samples, its
-    step-0 teacher-forced loss is lower by at least `t` standard errors of the paired
-    per-sample difference, over at least `min_samples` samples, and the drafter predicts at
-    all there (its loss below ln(draft vocab), a uniform guess's)."""
+    """When one reading is "clearly" better than the other: on the same probe samples, the
+    drafter is nearer rest read that way by at least `t` jackknife standard errors of the
+    difference, over at least `min_samples` samples, and it predicts at all there (its step-0
+    loss below ln(draft vocab), a uniform guess's)."""
 
     t: float
     min_samples: int
 
 
-# Why a paired test and not an accuracy margin: reading a real Kimi-K2.5 drafter one layer
-# off costs ~0.10 acceptance length (SGLang PR #25454), a step-0 accuracy gap of a few
-# hundredths, so the former rule (+0.05 and 1.25x) would refuse every good drafter. Measured
-# on the Kimi test world (target-v1's greedy answers to 48 prompts no drafter trained on),
-# whose bytes differ by CPU: a warm start trained on the SGLang reading of [2, 4, 5] scored
-# t = 0.48 to 3.31 for it over four builds, with accuracy gaps of a few thousandths; one
-# trained on [1, 3, 6]'s SGLang reading, t = 6.09; untrained, t = 2.13 with a loss above
-# chance. Adjacent layers of the miniature are nearly collinear (cosine 0.95-0.99) and later
-# ones carry more: warm starts trained on the vLLM (earlier) reading score within noise both
-# ways (|t| <= 1.07; -2.44, the later reading ahead, on a world trained twice as long), and
-# the probe refuses them. A wrong choice costs a little acceptance that finetuning wins back;
-# a refusal stops the pipeline: 3 standard errors (a chance pick under 1% of the time on a
-# drafter indifferent to the reading) weighs the two.
+# Why stationarity and a jackknife, not a loss or accuracy margin: reading a real Kimi-K2.5
+# drafter one layer off costs ~0.10 acceptance length (SGLang PR #25454), a step-0 accuracy
+# gap of a few hundredths, and in the Kimi test world the loss gap (a paired t over samples)
+# leaned towards the later reading: drafters trained on the SGLang (later) reading scored
+# t 2.8 to 5.2 its way, those trained on the vLLM reading -0.5 to -2.4 (and +0.4, the wrong
+# way, on another CPU's build), so a rule on the loss pinned the first and refused the second.
+# Measured on the same world, 155 unseen answers, whitened stationarity: drafters trained on
+# the SGLang reading scored t 3.1 to 6.1 its way, those trained on the vLLM reading -3.8 to
+# -4.9 its way, once trained enough to be near rest (about 3,000 sample-steps or more; a
+# drafter trained 400 sample-steps is not, |t| < 2.3, and is refused). A wrong choice costs a
+# little acceptance that finetuning wins back; a refusal stops the pipeline: 3 standard
+# errors (a chance pick under 1% of the time on a drafter indifferent to the reading) weighs
+# the two.
 CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 
@@ -86,55 +91,66 @@ class LayerIdsUnclear(ValueError):
 
 @dataclass(frozen=True)
 class ProbeScores:
-    """One drafter read both ways on the same samples: teacher-forced TTT accuracy per step
-    (for the user) and the step-0 loss of each sample (for the choice)."""
+    """One drafter read both ways on the same samples: how near rest it is (for the choice),
+    teacher-forced TTT accuracy per step and mean step-0 loss (for the user)."""
 
     readings: dict[Reading, tuple[int, ...]]  # vLLM ids each reading feeds the drafter
+    stationarity: dict[Reading, Stationarity]
     accuracy: dict[Reading, list[float]]
-    sample_loss: dict[Reading, list[float]]  # the same samples in the same order
+    loss: dict[Reading, float]  # mean step-0 loss over the supervised samples
     chance_loss: float  # ln(draft vocab): the loss of a drafter that knows nothing
     samples: int
     tokens: int  # supervised positions at step 0
 
-    def loss(self, reading: Reading) -> float:
-        return statistics.fmean(self.sample_loss[reading])
+    def supervised(self) -> int:
+        """Samples with a supervised position at step 0: those the measures are made on."""
+        return len(next(iter(self.stationarity.values())).leave_one_out)
 
-    def paired_t(self, better: Reading, worse: Reading) -> float:
-        """How many standard errors `better`'s per-sample loss is below `worse`'s."""
-        gaps = [
-            w - b for b, w in zip(self.sample_loss[better], self.sample_loss[worse], strict=True)
+    def t(self, nearer: Reading, farther: Reading) -> float:
+        """How many jackknife standard errors `nearer` is nearer rest than `farther`."""
+        gap = self.stationarity[farther].value - self.stationarity[nearer].value
+        without = [
+            f - n
+            for n, f in zip(
+                self.stationarity[nearer].leave_one_out,
+                self.stationarity[farther].leave_one_out,
+                strict=True,
+            )
         ]
-        if len(gaps) < 2:
+        count = len(without)
+        if count < 3:
             return 0.0
-        spread = statistics.stdev(gaps)
-        mean = statistics.fmean(gaps)
-        if spread == 0.0:
-            return math.inf if mean > 0 else 0.0
-        return mean / (spread / math.sqrt(len(gaps)))
+        mean = statistics.fmean(without)
+        error = math.sqrt((count - 1) / count * sum((w - mean) ** 2 for w in without))
+        if error == 0.0:
+            return math.inf if gap > 0 else 0.0
+        return gap / error
 
     def ranked(self) -> tuple[Reading, Reading]:
-        """(lower loss, higher loss)."""
-        better, worse = sorted(self.readings, key=self.loss)
-        return better, worse
+        """(nearer rest, farther)."""
+        nearer, farther = sorted(self.readings, key=lambda r: self.stationarity[r].value)
+        return nearer, farther
 
     def describe(self) -> str:
-        better, worse = self.ranked()
+        nearer, farther = self.ranked()
         return (
             "; ".join(
-                f"{reading} reading {list(ids)}: step-0 loss {self.loss(reading):.4f}, "
+                f"{reading} reading {list(ids)}: stationarity "
+                f"{self.stationarity[reading].value:.4g}, step-0 loss {self.loss[reading]:.4f}, "
                 f"accuracy {self.accuracy[reading][0]:.3f}"
                 for reading, ids in self.readings.items()
             )
-            + f" (paired t {self.paired_t(better, worse):.2f} for the {better} reading; "
-            f"{len(self.sample_loss[better])} of {self.samples} samples supervised, "
-            f"{self.tokens} tokens; chance loss {self.chance_loss:.4f})"
+            + f" (jackknife t {self.t(nearer, farther):.2f} for the {nearer} reading; "
+            f"{self.supervised()} of {self.samples} samples supervised, {self.tokens} tokens; "
+            f"chance loss {self.chance_loss:.4f})"
         )
 
     def to_json(self) -> dict:
         return {
             "readings": {str(r): list(ids) for r, ids in self.readings.items()},
+            "stationarity": {str(r): asdict(s) for r, s in self.stationarity.items()},
             "accuracy": {str(r): acc for r, acc in self.accuracy.items()},
-            "sample_loss": {str(r): loss for r, loss in self.sample_loss.items()},
+            "loss": {str(r): loss for r, loss in self.loss.items()},
             "chance_loss": self.chance_loss,
             "samples": self.samples,
             "tokens": self.tokens,
@@ -144,8 +160,9 @@ class ProbeScores:
     def from_json(cls, data: dict) -> ProbeScores:
         return cls(
             {Reading(r): tuple(ids) for r, ids in data["readings"].items()},
+            {Reading(r): Stationarity(**s) for r, s in data["stationarity"].items()},
             {Reading(r): list(acc) for r, acc in data["accuracy"].items()},
-            {Reading(r): list(loss) for r, loss in data["sample_loss"].items()},
+            {Reading(r): loss for r, loss in data["loss"].items()},
             data["chance_loss"],
             data["samples"],
             data["tokens"],
@@ -155,20 +172,20 @@ class ProbeScores:
 def choose_reading(scores: ProbeScores, clearly: Clearly = CLEARLY_BETTER) -> Reading:
     """The clearly better reading; LayerIdsUnclear, naming both scores, why neither is, and
     the setting to use instead."""
-    better, worse = scores.ranked()
-    supervised = len(scores.sample_loss[better])
-    t = scores.paired_t(better, worse)
-    if scores.loss(better) >= scores.chance_loss:
+    nearer, farther = scores.ranked()
+    supervised = scores.supervised()
+    t = scores.t(nearer, farther)
+    if scores.loss[nearer] >= scores.chance_loss:
         why = (
-            f"the warm start predicts no better than chance either way (step-0 loss "
-            f"{scores.loss(better):.4f}, a uniform guess {scores.chance_loss:.4f})"
+            f"the warm start predicts no better than chance read the {nearer} way (step-0 "
+            f"loss {scores.loss[nearer]:.4f}, a uniform guess {scores.chance_loss:.4f})"
         )
     elif supervised < clearly.min_samples:
         why = f"{supervised} probe samples supervise a position, fewer than {clearly.min_samples}"
     elif t < clearly.t:
-        why = f"the {better} reading's loss is lower by {t:.2f} standard errors, not {clearly.t}"
+        why = f"the {nearer} reading is nearer rest by {t:.2f} standard errors, not {clearly.t}"
     else:
-        return better
+        return nearer
     first = next(iter(scores.readings))
     raise LayerIdsUnclear(
         f"the warm start's nested {KEY} can be read two ways and neither scores clearly "
@@ -186,6 +203,7 @@ def score_readings(
 ) -> ProbeScores:
     """The drafter on every sample of `hidden_dir` (shards holding the union of the
     readings' layers), read each way."""
+    from eagle3_assets.lib.training.stationarity import stationarity
     from eagle3_assets.lib.training.train_drafter import heldout_accuracy
 
     rows = {
@@ -207,8 +225,9 @@ def score_readings(
         )
     return ProbeScores(
         dict(readings),
+        stationarity(drafter_dir, target_dir, [str(hidden_dir)], readings),
         {reading: row["accuracy"] for reading, row in rows.items()},
-        {reading: row["sample_loss"] for reading, row in rows.items()},
+        {reading: statistics.fmean(row["sample_loss"]) for reading, row in rows.items()},
         math.log(first["draft_vocab_size"]),
         first["samples"],
         first["tokens"],
@@ -259,11 +278,14 @@ class LayerIdDecision:
             scores = self.scores
             for reading in scores.readings:
                 meta[f"layer_probe_{reading}_ids"] = list(scores.readings[reading])
-                meta[f"layer_probe_{reading}_step0_loss"] = round(scores.loss(reading), 4)
+                meta[f"layer_probe_{reading}_stationarity"] = float(
+                    f"{scores.stationarity[reading].value:.4g}"
+                )
+                meta[f"layer_probe_{reading}_step0_loss"] = round(scores.loss[reading], 4)
                 meta[f"layer_probe_{reading}_accuracy"] = [
                     round(a, 4) for a in scores.accuracy[reading]
                 ]
-            meta["layer_probe_paired_t"] = round(scores.paired_t(*scores.ranked()), 2)
+            meta["layer_probe_t"] = round(scores.t(*scores.ranked()), 2)
             meta["layer_probe_chance_loss"] = round(scores.chance_loss, 4)
             meta["layer_probe_samples"] = scores.samples
             meta["layer_probe_tokens"] = scores.tokens

@@ -475,6 +475,30 @@ def train(
 
 
 @torch.no_grad()
+def open_heldout(
+    drafter: Path,
+    target: Path,
+    batch_dirs: Sequence[str],
+    holdout_fraction: float,
+    aux_layer_ids: Sequence[int] | None = None,
+) -> tuple[Eagle3Drafter, TargetHead, ShardReader, list[int] | None]:
+    """(drafter in fp32 eval mode, teacher, reader of the held-out samples in a fixed order,
+    the shards' columns of the aux layers it reads) on this rank's device: what every
+    measurement of a saved drafter on held-out states starts from."""
+    device = _device()
+    head = TargetHead(target).to(device)
+    reader = ShardReader(
+        [Path(d) for d in batch_dirs],
+        shuffle_buffer=1,
+        select=lambda sample_id: held_out(sample_id, holdout_fraction),
+    )
+    model, aux_ids = load_drafter(
+        drafter, head, reader, TargetShape.from_config(target), aux_layer_ids=aux_layer_ids
+    )
+    columns = aux_columns(reader, aux_ids, drafter)
+    return model.float().to(device).eval(), head, reader, columns
+
+
 def heldout_accuracy(
     drafter: Path,
     target: Path,
@@ -489,20 +513,11 @@ def heldout_accuracy(
     acceptance in a serving engine. `aux_layer_ids` (vLLM ids) reads the drafter at those
     layers instead of its config's. {"samples", "tokens", "accuracy": [...] (None: no
     held-out sample), "sample_loss": [...], "draft_vocab_size"}: the step-0 loss of each
-    sample that step 0 supervises, in the reader's order (the layer probe pairs two readings
-    by sample and weighs them against a uniform guess over the draft vocab)."""
-    device = _device()
-    head = TargetHead(target).to(device)
-    reader = ShardReader(
-        [Path(d) for d in batch_dirs],
-        shuffle_buffer=1,
-        select=lambda sample_id: held_out(sample_id, holdout_fraction),
+    sample that step 0 supervises, in the reader's order (the layer probe weighs their mean
+    against a uniform guess over the draft vocab)."""
+    model, head, reader, columns = open_heldout(
+        drafter, target, batch_dirs, holdout_fraction, aux_layer_ids
     )
-    model, aux_ids = load_drafter(
-        drafter, head, reader, TargetShape.from_config(target), aux_layer_ids=aux_layer_ids
-    )
-    columns = aux_columns(reader, aux_ids, drafter)
-    model.float().to(device).eval()
     hits, counts = [0] * ttt_length, [0] * ttt_length
     sample_loss: list[float] = []
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM

@@ -160,8 +160,8 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
     """(weighted loss, per-step loss, per-step hits, per-step supervised positions, step-0
     loss of each sample that step 0 supervises) for one batch: hits and counts, not their
-    ratio, so that ranks and batches add up exactly; the per-sample losses for comparisons
-    paired by sample (the layer probe)."""
+    ratio, so that ranks and batches add up exactly; the per-sample losses for the layer
+    probe (a mean by sample, and which samples a per-sample gradient is taken on)."""
     chain = StepWeights()
     outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask, chain)
     S = batch.aux.shape[1]

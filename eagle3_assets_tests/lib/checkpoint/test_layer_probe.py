@@ -1,9 +1,8 @@
-"""The layer probe's decisions: which nested lists are ambiguous, when a reading scores
-clearly better, the refusal, and the pinned config every reader then agrees on."""
+"""The layer probe's decisions: which nested lists are ambiguous, when a reading is clearly
+nearer rest, the refusal, and the pinned config every reader then agrees on."""
 
 import json
 import math
-import statistics
 
 import pytest
 
@@ -32,6 +31,7 @@ from eagle3_assets.lib.core.layer_ids import (
     nested_readings,
 )
 from eagle3_assets.lib.core.target import TargetShape
+from eagle3_assets.lib.training.stationarity import Stationarity
 from eagle3_assets.localdev.hub import make_untrained_drafter
 
 TARGET = TargetShape(hidden_size=64, vocab_size=1024, num_hidden_layers=8)
@@ -54,78 +54,94 @@ def test_ids_that_read_one_way_only_are_not_ambiguous():
 
 
 CHANCE = math.log(256)
+# leave-one-out spread of the gap between the readings over 8 samples, the fewest that may
+# decide: its jackknife standard error is sqrt(7 / 8 * 0.00105) = 0.0303
+SPREAD = [0.01, -0.01, 0.02, -0.02, 0.005, -0.005, 0.0, 0.0]
+ERROR = math.sqrt(7 / 8 * sum(d * d for d in SPREAD))
 
 
-def scores(sglang: list[float], vllm: list[float]) -> ProbeScores:
-    """Scores whose step-0 losses per sample are `sglang` and `vllm`."""
+def rest(farther: float = 0.0, spread: list[float] = SPREAD) -> Stationarity:
+    """A reading `farther` from rest than 1.0, its leave-one-out values spread by `spread`
+    (around the nearer reading's, which do not spread)."""
+    return Stationarity(1.0 + farther, [1.0 + farther + d for d in spread])
+
+
+NEAREST = rest(spread=[0.0] * 8)
+
+
+def scores(
+    sglang: Stationarity, vllm: Stationarity, loss: tuple[float, float] = (3.9, 3.92)
+) -> ProbeScores:
     return ProbeScores(
         {Reading.SGLANG: (3, 5, 6), Reading.VLLM: (2, 4, 5)},
-        {Reading.SGLANG: [0.45, 0.1], Reading.VLLM: [0.44, 0.1]},
         {Reading.SGLANG: sglang, Reading.VLLM: vllm},
+        {Reading.SGLANG: [0.45, 0.1], Reading.VLLM: [0.44, 0.1]},
+        {Reading.SGLANG: loss[0], Reading.VLLM: loss[1]},
         CHANCE,
-        samples=len(sglang) + 1,
+        samples=len(sglang.leave_one_out) + 1,
         tokens=400,
     )
 
 
-BASE = [4.0, 3.5, 4.2, 3.9, 4.4, 3.7, 4.1, 3.8]  # 8 samples, the fewest that may decide
-# gaps of mean 0.02, sample deviation 0.00756: t = 0.02 / (0.00756 / sqrt(8)) = 7.48
-GAPS = [0.01, 0.03, 0.02, 0.01, 0.03, 0.02, 0.02, 0.02]
-
-
-def shifted(values: list[float], by: list[float]) -> list[float]:
-    return [v + b for v, b in zip(values, by, strict=True)]
-
-
-def test_the_clearly_better_reading_wins_either_way():
-    assert choose_reading(scores(BASE, shifted(BASE, GAPS))) is Reading.SGLANG
-    assert choose_reading(scores(shifted(BASE, GAPS), BASE)) is Reading.VLLM
-    assert scores(BASE, shifted(BASE, GAPS)).paired_t(Reading.SGLANG, Reading.VLLM) == (
-        pytest.approx(0.02 / (statistics.stdev(GAPS) / math.sqrt(8)))
-    )
+def test_the_reading_clearly_nearer_rest_wins_either_way():
+    assert choose_reading(scores(NEAREST, rest(0.2))) is Reading.SGLANG
+    assert choose_reading(scores(rest(0.2), NEAREST)) is Reading.VLLM
+    assert scores(NEAREST, rest(0.2)).t(Reading.SGLANG, Reading.VLLM) == pytest.approx(0.2 / ERROR)
+    # the loss does not decide: lower read the other way, which later layers alone can make
+    assert choose_reading(scores(NEAREST, rest(0.2), loss=(3.95, 3.9))) is Reading.SGLANG
 
 
 def test_exactly_at_the_threshold_still_decides():
-    spread = statistics.stdev(GAPS)
-    mean = statistics.fmean(GAPS)
-    # the same gaps moved down until the mean is CLEARLY_BETTER.t standard errors
-    at = [g - mean + CLEARLY_BETTER.t * spread / math.sqrt(8) + 1e-12 for g in GAPS]
-    assert choose_reading(scores(BASE, shifted(BASE, at))) is Reading.SGLANG
-    below = [g - 2e-3 for g in at]  # t = 3.0 - 2e-3 / (spread / sqrt(8)) = 2.25
+    at = CLEARLY_BETTER.t * ERROR + 1e-12
+    assert choose_reading(scores(NEAREST, rest(at))) is Reading.SGLANG
     with pytest.raises(LayerIdsUnclear) as refused:
-        choose_reading(scores(BASE, shifted(BASE, below)))
-    assert "lower by 2.25 standard errors, not 3.0" in str(refused.value)
+        choose_reading(scores(NEAREST, rest(at - 0.75 * ERROR)))
+    assert "the sglang reading is nearer rest by 2.25 standard errors, not 3.0" in str(
+        refused.value
+    )
 
 
 @pytest.mark.parametrize(
-    ("sglang", "vllm", "why"),
+    ("sglang", "vllm", "loss", "why"),
     [
-        # the miniature's drafters trained on the earlier reading: within noise
-        (BASE, shifted(BASE, [0.02, -0.03, 0.01, -0.01, 0.02, -0.02, 0.01, 0.0]), "0.00 standard"),
+        # a drafter indifferent to the reading, or not trained near rest: within noise
+        (NEAREST, rest(0.01), (3.9, 3.92), "nearer rest by 0.33 standard errors"),
         # a large, steady gap, but over 7 samples
         (
-            BASE[:7],
-            shifted(BASE[:7], GAPS[:7]),
+            rest(spread=[0.0] * 7),
+            rest(0.2, SPREAD[:7]),
+            (3.9, 3.92),
             "7 probe samples supervise a position, fewer than 8",
         ),
-        # untrained: a steady gap, both above a uniform guess's loss
-        ([CHANCE + 0.05] * 8, [CHANCE + 0.06] * 8, "predicts no better than chance either way"),
+        # untrained: clearly nearer rest one way, but no better than a uniform guess there
+        (
+            NEAREST,
+            rest(0.2),
+            (CHANCE + 0.05, CHANCE + 0.06),
+            "predicts no better than chance read the sglang way",
+        ),
     ],
 )
-def test_neither_clearly_better_is_refused_naming_both_scores(sglang, vllm, why):
+def test_neither_clearly_better_is_refused_naming_both_scores(sglang, vllm, loss, why):
     with pytest.raises(LayerIdsUnclear) as refused:
-        choose_reading(scores(sglang, vllm))
+        choose_reading(scores(sglang, vllm, loss))
     message = str(refused.value)
     assert why in message
-    s, v = statistics.fmean(sglang), statistics.fmean(vllm)
-    assert f"sglang reading [3, 5, 6]: step-0 loss {s:.4f}, accuracy 0.450" in message
-    assert f"vllm reading [2, 4, 5]: step-0 loss {v:.4f}, accuracy 0.440" in message
+    for reading, ids, at_rest, step0, accuracy in (
+        ("sglang", [3, 5, 6], sglang, loss[0], "0.450"),
+        ("vllm", [2, 4, 5], vllm, loss[1], "0.440"),
+    ):
+        assert (
+            f"{reading} reading {ids}: stationarity {at_rest.value:.4g}, step-0 loss "
+            f"{step0:.4f}, accuracy {accuracy}"
+        ) in message
+    assert f"{len(sglang.leave_one_out)} of {len(sglang.leave_one_out) + 1} samples" in message
     assert "Set EAGLE3_AUX_LAYER_IDS" in message
 
 
 def test_scores_survive_their_cache_file():
-    again = ProbeScores.from_json(json.loads(json.dumps(scores(BASE, BASE).to_json())))
-    assert again == scores(BASE, BASE)
+    measured = scores(NEAREST, rest(0.2))
+    assert ProbeScores.from_json(json.loads(json.dumps(measured.to_json()))) == measured
 
 
 def test_union_of_the_readings_is_what_extraction_holds():
@@ -205,16 +221,18 @@ def test_cached_scores_decide_without_measuring_again(trap_drafter, tmp_path):
 
     def measure(readings):
         measured.append(readings)
-        return scores(BASE, shifted(BASE, GAPS))
+        return scores(NEAREST, rest(0.2))
 
     current = drafter_aux_layer_ids(trap_drafter, 8)
     first = settle_layer_ids(trap_drafter, current, TARGET, None, cache, measure, print)
     assert (first.reading, first.vllm) == (Reading.SGLANG, (3, 5, 6))
     meta = first.metadata()
     assert meta["layer_probe_sglang_accuracy"] == [0.45, 0.1]
-    assert meta["layer_probe_sglang_step0_loss"] == round(statistics.fmean(BASE), 4)
-    assert meta["layer_probe_vllm_step0_loss"] == round(statistics.fmean(BASE) + 0.02, 4)
-    assert meta["layer_probe_paired_t"] == 7.48
+    assert meta["layer_probe_sglang_stationarity"] == 1.0
+    assert meta["layer_probe_vllm_stationarity"] == 1.2
+    assert meta["layer_probe_sglang_step0_loss"] == 3.9
+    assert meta["layer_probe_vllm_step0_loss"] == 3.92
+    assert meta["layer_probe_t"] == 6.6  # 0.2 / 0.0303
     pinned = (trap_drafter / "config.json").read_bytes()
     # a restart: the download lays the published config down again, the cache decides
     config = json.loads(pinned)
