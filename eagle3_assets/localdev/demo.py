@@ -359,19 +359,24 @@ class Story:
         )
 
 
-def measure_served(story: Story, spec: VLLMLaunchSpec, traffic: Traffic, world: World, say):
+def measure_served(
+    story: Story, spec: VLLMLaunchSpec, traffic: Traffic, env: dict[str, str], say
+) -> None:
     """The serving replica's acceptance on the held-out data-model questions, from /metrics
-    (nothing else uses the replica meanwhile: every batch is generated)."""
+    (nothing else uses the replica meanwhile: every batch is generated), answered as the
+    rollout's confirmation and the evaluation answer: the daemon's `env` recipes."""
+    from eagle3_assets.definitions import resources_from_env
     from eagle3_assets.lib.evaluation.acceptance import measure_acceptance
 
     drafter = story.serving()
     if drafter not in story.served_acceptance():
+        resources = resources_from_env(env)
         served = measure_acceptance(
             spec.base_url,
             SERVED_TARGET_NAME,
             traffic.of_the_new_kind,
-            max_tokens=int(DEMO_SETTINGS["EAGLE3_MAX_TOKENS"]),
-            chat_template_kwargs=world.spec.chat_template_kwargs,
+            max_tokens=resources["evaluation"].max_tokens,
+            chat_template_kwargs=resources["generation"].config().chat_template_kwargs,
         )
         story.record(drafter, round(served.mean_length, 3))
     acceptance = story.served_acceptance()[drafter]
@@ -411,11 +416,16 @@ def first_act(story: Story, narrator: Narrator, say) -> int:
 
 
 def second_act(
-    story: Story, narrator: Narrator, spec: VLLMLaunchSpec, traffic: Traffic, world: World, say
+    story: Story,
+    narrator: Narrator,
+    spec: VLLMLaunchSpec,
+    traffic: Traffic,
+    env: dict[str, str],
+    say,
 ) -> int:
     arrival = traffic.arrivals[0]
     if not traffic.dropped(arrival):
-        measure_served(story, spec, traffic, world, say)
+        measure_served(story, spec, traffic, env, say)
         rows = len(arrival.read_text().splitlines())
         say(f"ACT 2: {arrival.name} arrives in the inbox: {rows} questions about Python's data "
             "model, a kind the pool never asked")  # fmt: skip
@@ -424,7 +434,7 @@ def second_act(
     if decision is None or not decision.promoted:
         return 1
     rolled_out(story, narrator, say)
-    measure_served(story, spec, traffic, world, say)
+    measure_served(story, spec, traffic, env, say)
     return 0
 
 
@@ -575,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                         say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
                         return 1
                     status = first_act(story, narrator, say) or second_act(
-                        story, narrator, spec, traffic, world, say
+                        story, narrator, spec, traffic, env, say
                     )
                     if status:
                         return status
