@@ -2,8 +2,10 @@
 nested ids are vLLM's default for target-v1's 8 layers ([2, 4, 5], AQ-MedAI's trap), one
 trained on each reading, probed on target-v1's greedy answers to prompts neither was trained
 on, their states extracted (hf) at both readings' layers, as the probe does. Each is pinned to
-the reading it was trained on, by how near rest it is read each way; the loss, which leans
-towards the later reading, is recorded beside it."""
+the reading it was trained on, by how near rest it is read each way, or refused: never pinned
+to the other. The world's bytes differ by CPU: on an Intel AVX-512 build both are pinned
+(t 5.48 and 4.22); on the AVX2 build (the bytes an AMD CPU builds) the vLLM-trained one is
+nearer rest its way by only 0.64 standard errors, and is refused."""
 
 import json
 import shutil
@@ -15,6 +17,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import drafter_aux_layer_ids
 from eagle3_assets.lib.checkpoint.layer_probe import (
     CLEARLY_BETTER,
     PIN_FIELD,
+    LayerIdsUnclear,
     score_readings,
     settle_layer_ids,
     union_layers,
@@ -61,7 +64,7 @@ def warm_start(kimi_world, trained_on: Reading):
 
 
 @pytest.mark.parametrize("trained_on", [Reading.SGLANG, Reading.VLLM])
-def test_each_warm_start_is_pinned_to_the_reading_it_was_trained_on(
+def test_each_warm_start_is_pinned_to_its_own_reading_or_refused_never_misread(
     kimi_world, probe_states, trained_on, tmp_path
 ):
     hidden_dir, prompts = probe_states
@@ -78,9 +81,18 @@ def test_each_warm_start_is_pinned_to_the_reading_it_was_trained_on(
         return measured[-1]
 
     logs: list[str] = []
-    decision = settle_layer_ids(
-        drafter, current, shape, None, tmp_path / "scores.json", measure, logs.append
-    )
+    try:
+        decision = settle_layer_ids(
+            drafter, current, shape, None, tmp_path / "scores.json", measure, logs.append
+        )
+    except LayerIdsUnclear as refused:  # not clear enough on this build of the world
+        nearer, farther = measured[0].ranked()
+        t = measured[0].t(nearer, farther)
+        assert t < CLEARLY_BETTER.t
+        assert f"the {nearer} reading is nearer rest by {t:.2f} standard errors" in str(refused)
+        config = json.loads((drafter / "config.json").read_text())
+        assert KEY not in config and PIN_FIELD not in config  # nothing pinned: the user decides
+        return
     scores = measured[0]
     other = Reading.VLLM if trained_on is Reading.SGLANG else Reading.SGLANG
     assert scores.ranked() == (trained_on, other)
