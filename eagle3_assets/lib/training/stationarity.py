@@ -28,6 +28,12 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:  # torch: imported where used, so the layer probe's records load without it
     import torch
 
+    from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
+    from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter
+    from eagle3_assets.lib.training.ttt import TargetHead
+
+    HeldOut = tuple[Eagle3Drafter, TargetHead, ShardReader, list[int] | None]
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -39,17 +45,15 @@ class Stationarity:
     leave_one_out: list[float]
 
 
-def sample_gradients(
-    drafter: Path, target: Path, batch_dirs: Sequence[str], aux_layer_ids: Sequence[int]
-) -> Iterator[torch.Tensor]:
-    """Each sample's gradient of its step-0 loss (the drafter read at `aux_layer_ids`), flat,
-    in the shards' order; samples whose step 0 supervises nothing are skipped."""
+def sample_gradients(opened: HeldOut) -> Iterator[torch.Tensor]:
+    """Each sample's gradient of its step-0 loss, flat, in the shards' order, for a drafter
+    opened at some layers (`train_drafter.open_heldout`); samples whose step 0 supervises
+    nothing are skipped."""
     import torch
 
-    from eagle3_assets.lib.training.train_drafter import open_heldout
     from eagle3_assets.lib.training.ttt import make_batch, ttt_loss
 
-    model, head, reader, columns = open_heldout(drafter, target, batch_dirs, 1.0, aux_layer_ids)
+    model, head, reader, columns = opened
     weights = [p for p in model.parameters() if p.requires_grad]
     for sample in reader.samples():
         batch = make_batch([sample], head, model.t2d, 1, columns)
@@ -68,20 +72,28 @@ def stationarity(
     batch_dirs: Sequence[str],
     readings: dict[K, Sequence[int]],
 ) -> dict[K, Stationarity]:
-    """The drafter's stationarity read each way on the same samples: lower is nearer rest."""
+    """The drafter's stationarity read each way on the same samples: lower is nearer rest.
+    Two passes over each reading's gradients (their sums, then each sample against them),
+    with the drafter opened once per reading and the target's head read once."""
     import torch
 
+    from eagle3_assets.lib.training.train_drafter import open_heldout
+
+    opened: dict[K, HeldOut] = {}
+    head = None
+    for key, ids in readings.items():
+        opened[key] = open_heldout(drafter, target, batch_dirs, 1.0, ids, head)
+        head = opened[key][1]
     sums: dict[K, tuple[torch.Tensor, torch.Tensor]] = {}
     counts: dict[K, int] = {}
-    for key, ids in readings.items():
+    for key in readings:
         total = squares = None
         counts[key] = 0
-        for gradient in sample_gradients(drafter, target, batch_dirs, ids):
+        for gradient in sample_gradients(opened[key]):
             total = gradient.clone() if total is None else total.add_(gradient)
             squares = gradient.square() if squares is None else squares.add_(gradient.square())
             counts[key] += 1
-        if total is not None:
-            sums[key] = (total, squares)
+        sums[key] = (total, squares)
     if len(set(counts.values())) != 1:  # supervision does not depend on the layers read
         raise ValueError(f"readings supervised different samples: {counts}")
     n = next(iter(counts.values()))
@@ -90,12 +102,12 @@ def stationarity(
     variance = sum(squares / n - (total / n).square() for total, squares in sums.values())
     scale = torch.where(variance > 0, len(sums) / variance, 0.0)  # w^2, pooled over readings
     result = {}
-    for key, ids in readings.items():
+    for key in readings:
         total, _ = sums[key]
         weighted_total = scale * total
         all_pairs = _dot(total, weighted_total)  # sum over i, j of w^2 g_i g_j
         towards_rest, own = [], []
-        for gradient in sample_gradients(drafter, target, batch_dirs, ids):
+        for gradient in sample_gradients(opened[key]):
             towards_rest.append(_dot(gradient, weighted_total))
             own.append(_dot(gradient.square(), scale))
         distinct = all_pairs - sum(own)

@@ -481,12 +481,14 @@ def open_heldout(
     batch_dirs: Sequence[str],
     holdout_fraction: float,
     aux_layer_ids: Sequence[int] | None = None,
+    head: TargetHead | None = None,
 ) -> tuple[Eagle3Drafter, TargetHead, ShardReader, list[int] | None]:
     """(drafter in fp32 eval mode, teacher, reader of the held-out samples in a fixed order,
     the shards' columns of the aux layers it reads) on this rank's device: what every
-    measurement of a saved drafter on held-out states starts from."""
+    measurement of a saved drafter on held-out states starts from. `head`: a teacher already
+    read, so that reading one drafter several ways loads the target's weights once."""
     device = _device()
-    head = TargetHead(target).to(device)
+    head = TargetHead(target).to(device) if head is None else head
     reader = ShardReader(
         [Path(d) for d in batch_dirs],
         shuffle_buffer=1,

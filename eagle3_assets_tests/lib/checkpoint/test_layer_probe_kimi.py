@@ -26,6 +26,7 @@ from eagle3_assets.lib.core.layer_ids import KEY, Reading
 from eagle3_assets.lib.core.target import TargetShape
 from eagle3_assets.lib.hidden_states.extract import LayerSelection
 from eagle3_assets.lib.training.stationarity import sample_gradients, stationarity
+from eagle3_assets.lib.training.train_drafter import open_heldout
 from eagle3_assets.localdev.greedy import greedy_hidden_states
 from eagle3_assets.localdev.hub import train_world_drafter
 from eagle3_assets.localdev.prompts import write_unasked_prompts
@@ -124,7 +125,9 @@ def test_stationarity_is_the_mean_over_pairs_of_whitened_sample_gradients(kimi_w
     drafter, target = warm_start(kimi_world, Reading.VLLM), kimi_world.target_v1
     measured = stationarity(drafter, target, [str(hidden_dir)], READINGS)
     gradients = {
-        reading: torch.stack(list(sample_gradients(drafter, target, [str(hidden_dir)], ids)))
+        reading: torch.stack(
+            list(sample_gradients(open_heldout(drafter, target, [str(hidden_dir)], 1.0, ids)))
+        )
         for reading, ids in READINGS.items()
     }
     n = len(gradients[Reading.VLLM])
