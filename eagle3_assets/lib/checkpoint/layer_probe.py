@@ -73,15 +73,16 @@ class Clearly:
 # drafter one layer off costs ~0.10 acceptance length (SGLang PR #25454), a step-0 accuracy
 # gap of a few hundredths, and in the Kimi test world the loss gap (a paired t over samples)
 # leaned towards the later reading: drafters trained on the SGLang (later) reading scored
-# t 2.8 to 5.2 its way, those trained on the vLLM reading -0.5 to -2.4 (and +0.4, the wrong
-# way, on another CPU's build), so a rule on the loss pinned the first and refused the second.
-# Measured on the same world, 155 unseen answers, whitened stationarity: drafters trained on
-# the SGLang reading scored t 3.1 to 6.1 its way, those trained on the vLLM reading -3.8 to
-# -4.9 its way, once trained enough to be near rest (about 3,000 sample-steps or more; a
-# drafter trained 400 sample-steps is not, |t| < 2.3, and is refused). A wrong choice costs a
-# little acceptance that finetuning wins back; a refusal stops the pipeline: 3 standard
-# errors (a chance pick under 1% of the time on a drafter indifferent to the reading) weighs
-# the two.
+# t 2.8 to 5.2 its way, those trained on the vLLM reading only 0.5 to 2.4 (and -0.4, the
+# wrong way, on another CPU's build), so a rule on the loss pinned the first and refused the
+# second.
+# Measured on the same world, 155 unseen answers, whitened stationarity, t for the reading
+# each drafter was trained on: trained 1500 steps, 5.48 (SGLang) and 4.22 (vLLM), but 0.64
+# for the vLLM one on the AVX2 build of the world; other recipes of 3,200 sample-steps or more
+# 3.1 to 6.1, one 1.6; trained 100 steps, 2.28 and -1.09. A drafter not near rest on the
+# user's prompts is refused, never misread. A wrong choice costs a little acceptance that
+# finetuning wins back; a refusal stops the pipeline: 3 standard errors (a chance pick under
+# 1% of the time on a drafter indifferent to the reading) weighs the two.
 CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 
