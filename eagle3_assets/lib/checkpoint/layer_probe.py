@@ -76,13 +76,17 @@ class Clearly:
 # t 2.8 to 5.2 its way, those trained on the vLLM reading only 0.5 to 2.4 (and -0.4, the
 # wrong way, on another CPU's build), so a rule on the loss pinned the first and refused the
 # second.
-# Measured on the same world, 155 unseen answers, whitened stationarity, t for the reading
-# each drafter was trained on: trained 1500 steps, 5.48 (SGLang) and 4.22 (vLLM), but 0.64
-# for the vLLM one on the AVX2 build of the world; other recipes of 3,200 sample-steps or more
-# 3.1 to 6.1, one 1.6; trained 100 steps, 2.28 and -1.09. A drafter not near rest on the
-# user's prompts is refused, never misread. A wrong choice costs a little acceptance that
-# finetuning wins back; a refusal stops the pipeline: 3 standard errors (a chance pick under
-# 1% of the time on a drafter indifferent to the reading) weighs the two.
+# Measured on the same world, whitened stationarity, t for the reading each drafter was
+# trained on, over 11 recipes (steps, batch, draft vocab, training answers, weight decay) and
+# both CPU builds of the world: SGLang-trained 2.0 to 9.3 (10 of 11 pinned), vLLM-trained -1.0
+# to 4.9 (5 of 11 pinned, none misread); the published world drafter's 100 steps, 2.28 and
+# -1.09. The earlier reading is the hard one: read one layer later, a drafter is only a little
+# farther from rest; read one layer earlier, far from it (AVX2 build, 395 unseen answers,
+# stationarity at the vLLM ids shifted by -1, 0, +1, +2: vLLM-trained 3536, 2324, 2541, 4331;
+# SGLang-trained 13911, 6112, 2226, 2663). A drafter not near rest on the user's prompts is
+# refused, never misread. A wrong choice costs a little acceptance that finetuning wins back;
+# a refusal stops the pipeline: 3 standard errors (a chance pick under 1% of the time on a
+# drafter indifferent to the reading) weighs the two.
 CLEARLY_BETTER = Clearly(t=3.0, min_samples=8)
 
 

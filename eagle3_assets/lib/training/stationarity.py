@@ -6,7 +6,8 @@ learnt on. Fed those layers, held-out samples pull its weights in directions tha
 fed other layers, they share a direction, the one a finetune would take to adapt. Comparing
 losses instead favours whichever reading is later, since later layers carry more about the
 next token; in the Kimi miniature that lean was as large as the mismatch itself. The gradient
-has no such lean: a drafter fed richer layers than it learnt on is still not at rest there.
+leans far less: a drafter fed richer layers than it learnt on is still not at rest there, if
+only a little farther from it than one fed poorer layers (see `layer_probe.CLEARLY_BETTER`).
 
 The measure, per reading: an unbiased estimate of |E[w * g]|^2 (a U-statistic: the mean of
 g_i . g_j over pairs of distinct samples), g a sample's gradient of its step-0 loss over the
