@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 
@@ -75,6 +76,22 @@ def no_dagster_context_left_open():
     yield
     gc.collect()
     assert DefsStateStorage.get() is before, "a Dagster context was left open: use `with`"
+
+
+@pytest.fixture
+def stop_signals_ignored():
+    """The test process as a Dagster process started in the background (nohup, `cmd &`):
+    SIGINT ignored, and SIGTERM given SIGINT's handler by Dagster's own mapping."""
+    from dagster._utils.interrupts import capture_interrupts
+
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with capture_interrupts():  # on leaving, SIGTERM takes SIGINT's handler: ignored
+        pass
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 @pytest.fixture

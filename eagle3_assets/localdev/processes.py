@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_assets.lib.serving.vllm_launcher import terminate_group
+from eagle3_assets.lib.serving.vllm_launcher import default_stop_signals, terminate_group
 from eagle3_assets.localdev.miniature import PROJECT_ROOT
 
 
@@ -29,6 +29,7 @@ def process_group(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=default_stop_signals,
         )
     try:
         yield process

@@ -221,6 +221,7 @@ def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=spec.run_dir,
+            preexec_fn=default_stop_signals,
         )
     spec.pid_file.write_text(f"{process.pid}\n")
     record = {
@@ -312,6 +313,16 @@ def stop(run_dir: Path, grace_s: float = 30.0) -> bool:
         terminate_group(pgid, grace_s)
     pid_file.unlink(missing_ok=True)
     return running
+
+
+def default_stop_signals() -> None:
+    """`preexec_fn` for the processes we stop by signal: SIGINT and SIGTERM at their default
+    actions. A process started in the background (nohup, `cmd &`) ignores SIGINT, Dagster then
+    gives SIGTERM SIGINT's handler (`setup_interrupt_handlers`), and ignored signals survive
+    exec: its children would ignore the signal that stops them, and die only by SIGKILL once
+    the grace is over. Only `signal.signal` runs here, between fork and exec."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def terminate_group(pgid: int, grace_s: float, first: signal.Signals = signal.SIGTERM) -> None:

@@ -53,6 +53,15 @@ wait
 """
 
 
+# A server that says it was stopped by SIGTERM (a shell cannot trap a signal ignored at its start).
+SAYS_TERM = """#!/bin/bash
+trap 'touch stopped-by-term; exit 0' TERM
+touch trapped
+sleep 600 &
+wait
+"""
+
+
 def fake_venv(tmp_path: Path, script: str) -> Path:
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -188,6 +197,21 @@ def test_another_server_left_in_the_run_dir_is_stopped_then_replaced(tmp_path, c
     assert line.startswith(prefix + f"{old.run_dir}: ")
     assert re.fullmatch(why, line.removeprefix(prefix + f"{old.run_dir}: ")), line
     assert "s3cr3t" not in (new.run_dir / "launch.json").read_text()  # hashed, never written
+
+
+def test_a_server_started_by_a_process_ignoring_stop_signals_stops_on_sigterm(
+    tmp_path, stop_signals_ignored
+):
+    """A nohup'd Dagster step starts its vLLM with SIGTERM ignored unless the launcher resets
+    it: the server would outlive the grace and die by SIGKILL, never stopping cleanly."""
+    spec = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, SAYS_TERM), run_dir=tmp_path / "r", port=free_port()
+    )
+    pgid = start(spec)
+    wait_for(lambda: (spec.run_dir / "trapped").exists())
+    assert stop(spec.run_dir, grace_s=10.0)
+    assert (spec.run_dir / "stopped-by-term").exists()
+    assert group_members(pgid) == []
 
 
 def test_a_dead_server_left_in_the_run_dir_is_simply_replaced(tmp_path):
