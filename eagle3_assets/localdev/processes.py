@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_assets.lib.serving.vllm_launcher import default_stop_signals, terminate_group
+from eagle3_assets.lib.serving.vllm_launcher import start_group, terminate_group
 from eagle3_assets.localdev.miniature import PROJECT_ROOT
 
 
@@ -20,17 +20,7 @@ def process_group(
     """`argv` in its own session, output appended to `log_file`; on exit SIGINT to the whole
     group (a Dagster process takes it as a clean stop, its children too), SIGKILL after 20 s."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=default_stop_signals,
-        )
+    process = start_group(argv, env, log_file, cwd)
     try:
         yield process
     finally:

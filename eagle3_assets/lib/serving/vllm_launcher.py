@@ -212,17 +212,7 @@ def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     with open(spec.log_file, "ab") as log_file:
         log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
-        log_file.flush()
-        process = subprocess.Popen(
-            cmd,
-            env=build_env(spec),
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=spec.run_dir,
-            preexec_fn=default_stop_signals,
-        )
+    process = start_group(cmd, build_env(spec), spec.log_file, spec.run_dir)
     spec.pid_file.write_text(f"{process.pid}\n")
     record = {
         "pid": process.pid,
@@ -315,12 +305,30 @@ def stop(run_dir: Path, grace_s: float = 30.0) -> bool:
     return running
 
 
-def default_stop_signals() -> None:
-    """`preexec_fn` for the processes we stop by signal: SIGINT and SIGTERM at their default
-    actions. A process started in the background (nohup, `cmd &`) ignores SIGINT, Dagster then
-    gives SIGTERM SIGINT's handler (`setup_interrupt_handlers`), and ignored signals survive
-    exec: its children would ignore the signal that stops them, and die only by SIGKILL once
-    the grace is over. Only `signal.signal` runs here, between fork and exec."""
+def start_group(
+    argv: list[str], env: dict[str, str], log_file: Path, cwd: Path
+) -> subprocess.Popen:
+    """`argv` in its own session (its pid is the group's id), output appended to `log_file`:
+    a process group we own and stop by signal (`terminate_group`)."""
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_stop_signals,
+        )
+
+
+def _default_stop_signals() -> None:
+    """SIGINT and SIGTERM at their default actions in the child. A process started in the
+    background (nohup, `cmd &`) ignores SIGINT, Dagster then gives SIGTERM SIGINT's handler
+    (`setup_interrupt_handlers`), and ignored signals survive exec: the child would ignore the
+    signal that stops it, and die only by SIGKILL once the grace is over. Only `signal.signal`
+    runs here, between fork and exec."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
 
