@@ -3,9 +3,8 @@ nested ids are vLLM's default for target-v1's 8 layers ([2, 4, 5], AQ-MedAI's tr
 trained on each reading, probed on target-v1's greedy answers to prompts neither was trained
 on, their states extracted (hf) at both readings' layers, as the probe does. Each is pinned to
 the reading it was trained on, by how near rest it is read each way, or refused: never pinned
-to the other. The world's bytes differ by CPU: on an Intel AVX-512 build both are pinned
-(t 5.48 and 4.22); on the AVX2 build (the bytes an AMD CPU builds) the vLLM-trained one is
-nearer rest its way by only 0.64 standard errors, and is refused."""
+to the other: the world's bytes differ by CPU, and on the AVX2 build (CI's) the vLLM-trained
+one is not clearly nearer rest its way (the measurements: `layer_probe.CLEARLY_BETTER`)."""
 
 import json
 import shutil
@@ -124,12 +123,12 @@ def test_stationarity_is_the_mean_over_pairs_of_whitened_sample_gradients(kimi_w
     hidden_dir, _ = probe_states
     drafter, target = warm_start(kimi_world, Reading.VLLM), kimi_world.target_v1
     measured = stationarity(drafter, target, [str(hidden_dir)], READINGS)
-    gradients = {
-        reading: torch.stack(
-            list(sample_gradients(open_heldout(drafter, target, [str(hidden_dir)], 1.0, ids)))
-        )
-        for reading, ids in READINGS.items()
-    }
+    head = None
+    gradients = {}
+    for reading, ids in READINGS.items():
+        opened = open_heldout(drafter, target, [str(hidden_dir)], 1.0, ids, head)
+        head = opened[1]  # the target's head, read once
+        gradients[reading] = torch.stack(list(sample_gradients(opened)))
     n = len(gradients[Reading.VLLM])
     variance = sum(g.double().var(0, unbiased=False) for g in gradients.values()) / 2
     scale = torch.where(variance > 0, 1 / variance, 0.0)
