@@ -58,8 +58,12 @@ system-packages:
 	else $$( [ "$$(id -u)" = 0 ] || echo sudo ) sh -c 'apt-get update -qq && \
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES)'; fi
 
+# Two workers (the suite mostly waits on one core: server starts, Dagster runs), each taking a
+# whole file at a time in the order collected (conftest: long files first). TEST_WORKERS=0: one
+# process.
+TEST_WORKERS ?= 2
 test: setup system-packages
-	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

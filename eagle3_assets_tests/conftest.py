@@ -1,5 +1,7 @@
 """Session-wide fixtures: the test-size miniature world (built once, cached on disk) and the
 serving venv. Tests that need vLLM fail, never skip, when it is missing: `make test` builds it.
+`make test` runs the files on two workers (pytest-xdist, a whole file at a time), each on a
+core of its own with everything it starts; the controller builds the shared worlds first.
 """
 
 import dataclasses
@@ -18,6 +20,42 @@ from eagle3_assets.localdev.miniature import SERVED_TARGET_NAME, miniature_env, 
 from eagle3_assets.localdev.world import World, build_world
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Files holding tests this long start first, so that the workers end together: a vLLM server
+# takes a minute to start, a browser test minutes, and the Kimi world's fixtures train.
+LONG_MARKERS = ("vllm", "ui")
+LONG_FIXTURES = ("kimi_world",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
+    """Before the workers start: the worlds and the hub every worker reads, built with the
+    whole machine (a world build fixes its own thread count)."""
+    publish_world_drafter(build_world(_test_cache(), "test"))
+    build_world(_test_cache(), "kimi-test")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A worker keeps to one core, with everything it starts (vLLM binds its threads to the
+    cores it may use): two workers never contend for a core, nor spin-wait on each other."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        import torch
+
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(worker["workerid"][2:]) % len(cores)]})
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    long = {
+        item.path
+        for item in items
+        if any(item.get_closest_marker(name) for name in LONG_MARKERS)
+        or any(name in item.fixturenames for name in LONG_FIXTURES)
+    }
+    items.sort(key=lambda item: item.path not in long)  # stable: each file's order kept
+
 
 # Greedy answers and a drafter small enough to train and evaluate in a test (a minute or two)
 SMALL_DRAFTER = {
@@ -47,12 +85,16 @@ def kimi_world() -> World:
     return build_world(_test_cache(), "kimi-test", log=lambda message: None)
 
 
+def publish_world_drafter(world: World) -> Path:
+    """A Hugging Face hub cache holding the world's warm-start drafter (for target-v1)."""
+    cache = world.root / "hub"
+    publish_local_drafter(world, cache, draft_vocab_size=256)
+    return cache
+
+
 @pytest.fixture(scope="session")
 def test_hub(test_world: World) -> Path:
-    """A Hugging Face hub cache holding the world's warm-start drafter (for target-v1)."""
-    cache = test_world.root / "hub"
-    publish_local_drafter(test_world, cache, draft_vocab_size=256)
-    return cache
+    return publish_world_drafter(test_world)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from huggingface_hub.file_download import repo_folder_name
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from eagle3_assets.lib.core.atomic_files import held_alone
 from eagle3_assets.lib.core.layer_ids import (
     KEY,
     Reading,
@@ -171,18 +172,20 @@ def publish_to_hub_cache(
     listing = "".join(f"{name}\0{digest.hexdigest()}\n" for name, digest in digests.items())
     sha = hashlib.sha1(listing.encode()).hexdigest()
 
-    repo = cache_dir / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
-    for name, digest in digests.items():
-        blob = repo / "blobs" / digest.hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        if not blob.exists():
-            shutil.copyfile(repo_dir / name, blob)
-        link = repo / "snapshots" / sha / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.is_symlink():
-            link.symlink_to(os.path.relpath(blob, link.parent))
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(sha)  # no newline: the client reads the ref verbatim
+    folder = repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    repo = cache_dir / folder
+    with held_alone(cache_dir / ".locks" / f"{folder}.publish.lock"):  # parallel tests
+        for name, digest in digests.items():
+            blob = repo / "blobs" / digest.hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            if not blob.exists():
+                shutil.copyfile(repo_dir / name, blob)
+            link = repo / "snapshots" / sha / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(blob, link.parent))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(sha)  # no newline: the client reads it verbatim
     return sha
 
 
@@ -213,18 +216,25 @@ def train_world_drafter(
     AQ-MedAI's drafter was trained for Kimi-K2. Its nested list is vLLM's default for the
     target, and it is trained on that list's `reading`: the two drafters of the two readings
     have the same config and differ only in the layers their weights learned. Built once per
-    world, vocab size, steps and reading (in a temp dir renamed into place), so republishing
-    is a no-op."""
+    world, vocab size, steps and reading (in a temp dir renamed into place, by one process at
+    a time), so republishing is a no-op."""
+    reading = Reading(reading)
+    name = f"k2-drafter-{draft_vocab_size}-{reading}-{steps}-v{DRAFTER_RECIPE_VERSION}"
+    out_dir = world.root / name
+    with held_alone(world.root / f".{name}.lock"):  # parallel tests: one trains
+        if not (out_dir / "model.safetensors").exists():
+            _train_world_drafter(world, out_dir, draft_vocab_size, steps, reading)
+    return out_dir
+
+
+def _train_world_drafter(
+    world: World, out_dir: Path, draft_vocab_size: int, steps: int, reading: Reading
+) -> None:
     from eagle3_assets.lib.checkpoint.layer_probe import LayerIdDecision, pin_layer_ids
     from eagle3_assets.lib.hidden_states.extract import LayerSelection
     from eagle3_assets.lib.training.train_drafter import RunConfig, train
     from eagle3_assets.localdev.greedy import greedy_hidden_states
 
-    reading = Reading(reading)
-    name = f"k2-drafter-{draft_vocab_size}-{reading}-{steps}-v{DRAFTER_RECIPE_VERSION}"
-    out_dir = world.root / name
-    if (out_dir / "model.safetensors").exists():
-        return out_dir
     target = world.target_v1
     config = target_config(target)
     nested = default_aux_layers(config["num_hidden_layers"])  # the trap: vLLM's default
@@ -266,7 +276,6 @@ def train_world_drafter(
         trained = load_file(train(run).checkpoint / "model.safetensors")
         save_file(trained, untrained / "model.safetensors", metadata={"format": "pt"})
         os.replace(untrained, out_dir)
-    return out_dir
 
 
 def publish_local_drafter(

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_assets.lib.core.atomic_files import held_alone
 from eagle3_assets.localdev.prompts import topics
 from eagle3_assets.localdev.tokenizer import CHAT_FORMATS, ChatFormat
 
@@ -188,26 +189,22 @@ def build_world(root: Path, size: str = "test", log: Callable[[str], None] = pri
     if size not in SIZES:
         raise ValueError(f"unknown world size {size!r}; valid sizes: {', '.join(SIZES)}")
     world = World.at(Path(root) / size, SIZES[size])
-    if world.is_complete():
-        log(f"world {size!r} cached at {world.root}")
-        return world
-
-    world.root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{size}-building-", dir=world.root.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the world is shared with the servers
-    try:
-        started = time.perf_counter()
-        record = _build(World.at(staging, world.spec), log)
-        record["seconds"]["total"] = round(time.perf_counter() - started, 2)
-        (staging / "world.json").write_text(json.dumps(record, indent=2) + "\n")
-        if world.is_complete():  # a concurrent build finished first
-            shutil.rmtree(staging)
-        else:
+    with held_alone(world.root.parent / f".{size}.lock"):  # parallel tests: one builds
+        if world.is_complete():
+            log(f"world {size!r} cached at {world.root}")
+            return world
+        staging = Path(tempfile.mkdtemp(prefix=f".{size}-building-", dir=world.root.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private; the world is shared with the servers
+        try:
+            started = time.perf_counter()
+            record = _build(World.at(staging, world.spec), log)
+            record["seconds"]["total"] = round(time.perf_counter() - started, 2)
+            (staging / "world.json").write_text(json.dumps(record, indent=2) + "\n")
             shutil.rmtree(world.root, ignore_errors=True)  # a stale world of another spec
             staging.rename(world.root)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     log(f"world {size!r} built at {world.root} in {record['seconds']['total']} s")
     return world
 

@@ -193,7 +193,8 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(targets, "train", fail)
     with pytest.raises(RuntimeError, match="killed"):
         build_world(tmp_path, "test", log=lambda _: None)
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [".test.lock"]  # the builders' lock, empty
+    assert (tmp_path / ".test.lock").stat().st_size == 0
 
 
 def test_build_is_deterministic_and_leaves_torch_alone(world: World, tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ from eagle3_assets.definitions import defs
 from eagle3_assets.lib.generation.conversations import batch_key
 from eagle3_assets_tests.ui.conftest import ARTIFACTS, DagsterUI
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ui]
+# A hang guard, not a speed bound: the whole pipeline, three evaluation servers, one core.
+pytestmark = [pytest.mark.vllm, pytest.mark.ui, pytest.mark.timeout(1800)]
 
 ROOT = "vllm_server"
 RUN_S = 300_000  # ms: a run (or a backfill) from queued to done, on a loaded 2-core machine

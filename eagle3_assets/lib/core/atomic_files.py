@@ -1,8 +1,11 @@
 """Files that are either whole or absent: a crash or power loss never leaves half a shard, row
 file or measurement behind, and a file's hash tells one version from another."""
 
+import fcntl
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -34,3 +37,14 @@ def file_sha256(path: Path) -> str:
 def file_hashes(directory: Path) -> dict[str, str]:
     """name -> sha256 of each file in a folder (a drafter: its config and weights)."""
     return {p.name: file_sha256(p) for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
+@contextmanager
+def held_alone(lock: Path) -> Iterator[None]:
+    """One process at a time inside (an exclusive flock on `lock`, released on exit or by the
+    process's death): concurrent builders of one cached thing wait for the first, then find
+    it built, instead of building it twice."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
