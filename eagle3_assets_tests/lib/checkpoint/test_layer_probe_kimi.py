@@ -27,14 +27,10 @@ from eagle3_assets.lib.hidden_states.extract import LayerSelection
 from eagle3_assets.lib.training.stationarity import sample_gradients, stationarity
 from eagle3_assets.lib.training.train_drafter import open_heldout
 from eagle3_assets.localdev.greedy import greedy_hidden_states
-from eagle3_assets.localdev.hub import train_world_drafter
 from eagle3_assets.localdev.prompts import write_unasked_prompts
+from eagle3_assets_tests.conftest import kimi_warm_start
 
 READINGS = {Reading.SGLANG: (3, 5, 6), Reading.VLLM: (2, 4, 5)}
-# Trained near rest, as a published drafter is: about 6,000 sample-steps. Trained 400 or 2,000
-# (100 or 500 steps) the miniature's drafters are not near rest on answers they never saw,
-# and the probe refuses some of them (|t| < 2.3), rightly: they are indifferent to the reading.
-WARM_START_STEPS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +55,12 @@ def probe_states(kimi_world, tmp_path_factory):
     return hidden_dir, unasked
 
 
-def warm_start(kimi_world, trained_on: Reading):
-    return train_world_drafter(kimi_world, 256, WARM_START_STEPS, reading=trained_on)
-
-
 @pytest.mark.parametrize("trained_on", [Reading.SGLANG, Reading.VLLM])
 def test_each_warm_start_is_pinned_to_its_own_reading_or_refused_never_misread(
     kimi_world, probe_states, trained_on, tmp_path
 ):
     hidden_dir, prompts = probe_states
-    drafter = shutil.copytree(warm_start(kimi_world, trained_on), tmp_path / "drafter")
+    drafter = shutil.copytree(kimi_warm_start(kimi_world, trained_on), tmp_path / "drafter")
     target = kimi_world.target_v1
     shape = TargetShape.from_config(target)
     current = drafter_aux_layer_ids(drafter, shape.num_hidden_layers)
@@ -121,7 +113,7 @@ def test_each_warm_start_is_pinned_to_its_own_reading_or_refused_never_misread(
 def test_stationarity_is_the_mean_over_pairs_of_whitened_sample_gradients(kimi_world, probe_states):
     """The two-pass estimate equals the one computed from every sample's gradient at once."""
     hidden_dir, _ = probe_states
-    drafter, target = warm_start(kimi_world, Reading.VLLM), kimi_world.target_v1
+    drafter, target = kimi_warm_start(kimi_world, Reading.VLLM), kimi_world.target_v1
     measured = stationarity(drafter, target, [str(hidden_dir)], READINGS)
     head = None
     gradients = {}
