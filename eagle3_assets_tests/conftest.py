@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,8 @@ LONG_FIXTURES = ("kimi_world",)
 def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
     """Before the workers start: the worlds and drafters they read, built with the whole
     machine, as one process builds them (a drafter's bytes depend on torch's thread count)."""
-    publish_world_drafter(build_world(_test_cache(), "test"))
-    kimi = build_world(_test_cache(), "kimi-test")
+    publish_world_drafter(cached_world("test", log=print))
+    kimi = cached_world("kimi-test", log=print)
     for reading in Reading:
         print(f"the layer probe's Kimi warm start trained on the {reading} reading:", flush=True)
         print(kimi_warm_start(kimi, reading), flush=True)
@@ -75,19 +76,22 @@ SMALL_DRAFTER = {
 }
 
 
-def _test_cache() -> Path:
-    return Path(os.environ.get("EAGLE3_TEST_CACHE", REPO / "data" / "test-cache"))
+def cached_world(size: str, log: Callable[[str], None] = lambda message: None) -> World:
+    """A world in the tests' cache (EAGLE3_TEST_CACHE), built on first use."""
+    return build_world(
+        Path(os.environ.get("EAGLE3_TEST_CACHE", REPO / "data" / "test-cache")), size, log
+    )
 
 
 @pytest.fixture(scope="session")
 def test_world() -> World:
-    return build_world(_test_cache(), "test", log=lambda message: None)
+    return cached_world("test")
 
 
 @pytest.fixture(scope="session")
 def kimi_world() -> World:
     """The Kimi-shaped test world (DeepSeek-V3 targets, a remote-code tokenizer)."""
-    return build_world(_test_cache(), "kimi-test", log=lambda message: None)
+    return cached_world("kimi-test")
 
 
 def publish_world_drafter(world: World) -> Path:
