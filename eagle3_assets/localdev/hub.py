@@ -172,9 +172,8 @@ def publish_to_hub_cache(
     listing = "".join(f"{name}\0{digest.hexdigest()}\n" for name, digest in digests.items())
     sha = hashlib.sha1(listing.encode()).hexdigest()
 
-    folder = repo_folder_name(repo_id=repo_id, repo_type=repo_type)
-    repo = cache_dir / folder
-    with held_alone(cache_dir / ".locks" / f"{folder}.publish.lock"):  # parallel tests
+    repo = cache_dir / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    with held_alone(repo):  # parallel tests: one publishes at a time
         for name, digest in digests.items():
             blob = repo / "blobs" / digest.hexdigest()
             blob.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +220,7 @@ def train_world_drafter(
     reading = Reading(reading)
     name = f"k2-drafter-{draft_vocab_size}-{reading}-{steps}-v{DRAFTER_RECIPE_VERSION}"
     out_dir = world.root / name
-    with held_alone(world.root / f".{name}.lock"):  # parallel tests: one trains
+    with held_alone(out_dir):  # parallel tests: one trains
         if not (out_dir / "model.safetensors").exists():
             _train_world_drafter(world, out_dir, draft_vocab_size, steps, reading)
     return out_dir

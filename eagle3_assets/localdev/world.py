@@ -189,7 +189,7 @@ def build_world(root: Path, size: str = "test", log: Callable[[str], None] = pri
     if size not in SIZES:
         raise ValueError(f"unknown world size {size!r}; valid sizes: {', '.join(SIZES)}")
     world = World.at(Path(root) / size, SIZES[size])
-    with held_alone(world.root.parent / f".{size}.lock"):  # parallel tests: one builds
+    with held_alone(world.root):  # parallel tests: one builds
         if world.is_complete():
             log(f"world {size!r} cached at {world.root}")
             return world

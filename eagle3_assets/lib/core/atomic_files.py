@@ -40,11 +40,11 @@ def file_hashes(directory: Path) -> dict[str, str]:
 
 
 @contextmanager
-def held_alone(lock: Path) -> Iterator[None]:
-    """One process at a time inside (an exclusive flock on `lock`, released on exit or by the
-    process's death): concurrent builders of one cached thing wait for the first, then find
-    it built, instead of building it twice."""
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a+b") as held:
+def held_alone(built: Path) -> Iterator[None]:
+    """One process at a time building `built` (an exclusive flock on the empty `.<name>.lock`
+    beside it, released on exit or by the process's death): concurrent builders of one cached
+    thing wait for the first, then find it built, instead of building it twice."""
+    built.parent.mkdir(parents=True, exist_ok=True)
+    with open(built.with_name(f".{built.name}.lock"), "a+b") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         yield
