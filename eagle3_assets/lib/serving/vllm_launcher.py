@@ -210,8 +210,6 @@ def start(spec: VLLMLaunchSpec, log: Callable[[str], None] = _ignore) -> int:
     if not Path(cmd[0]).exists():
         raise LaunchError(f"serving interpreter not found: {cmd[0]} (create the serving venv)")
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(spec.log_file, "ab") as log_file:
-        log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
     process = start_group(cmd, build_env(spec), spec.log_file, spec.run_dir)
     spec.pid_file.write_text(f"{process.pid}\n")
     record = {
@@ -308,9 +306,12 @@ def stop(run_dir: Path, grace_s: float = 30.0) -> bool:
 def start_group(
     argv: list[str], env: dict[str, str], log_file: Path, cwd: Path
 ) -> subprocess.Popen:
-    """`argv` in its own session (its pid is the group's id), output appended to `log_file`:
-    a process group we own and stop by signal (`terminate_group`)."""
+    """`argv` in its own session (its pid is the group's id), output appended to `log_file`
+    under a `=== <time> <command>` line: a process group we own and stop by signal
+    (`terminate_group`)."""
     with open(log_file, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n".encode())
+        log.flush()
         return subprocess.Popen(
             argv,
             cwd=cwd,
