@@ -32,8 +32,8 @@ LONG_FIXTURES = ("kimi_world",)
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
-    """Before the workers start: the worlds and drafters they read, built with the whole
-    machine, as one process builds them (a drafter's bytes depend on torch's thread count)."""
+    """Before the workers start: the worlds and drafters they read, built with both cores
+    (a build fixes its thread count; on a worker's single core it would crawl)."""
     publish_world_drafter(cached_world("test", log=print))
     kimi = cached_world("kimi-test", log=print)
     for reading in Reading:

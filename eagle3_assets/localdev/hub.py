@@ -34,7 +34,7 @@ from eagle3_assets.lib.core.layer_ids import (
 )
 from eagle3_assets.lib.core.target import target_config
 from eagle3_assets.localdev.tokenization_kimi_mini import BPE_FILE
-from eagle3_assets.localdev.world import World
+from eagle3_assets.localdev.world import World, isolated_torch
 
 # Target config fields the drafter's single decoder layer shares, when the target has them.
 SHARED_FIELDS = (
@@ -192,6 +192,7 @@ LOCAL_DRAFTER_REPO = "local/target-v1-eagle3"  # plays AQ-MedAI/Kimi-K2-Instruct
 
 
 DRAFTER_RECIPE_VERSION = 2  # bump when the world drafter's recipe changes: a new cache entry
+DRAFTER_THREADS = 2  # its bytes depend on torch's thread count: those of a 2-core machine
 PUBLISHED_READING = Reading.SGLANG  # the world's published drafter, as SpecForge writes ids
 
 
@@ -222,7 +223,8 @@ def train_world_drafter(
     out_dir = world.root / name
     with held_alone(out_dir):  # parallel tests: one trains
         if not (out_dir / "model.safetensors").exists():
-            _train_world_drafter(world, out_dir, draft_vocab_size, steps, reading)
+            with isolated_torch(DRAFTER_THREADS):  # the same bytes whoever trains it
+                _train_world_drafter(world, out_dir, draft_vocab_size, steps, reading)
     return out_dir
 
 

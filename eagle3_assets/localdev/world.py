@@ -210,7 +210,7 @@ def build_world(root: Path, size: str = "test", log: Callable[[str], None] = pri
 
 
 @contextmanager
-def _isolated_torch(threads: int) -> Iterator[None]:
+def isolated_torch(threads: int) -> Iterator[None]:
     """Fix the thread count and fork the RNG so a build neither depends on nor changes the
     caller's torch state."""
     import torch
@@ -243,7 +243,7 @@ def _build(world: World, log: Callable[[str], None]) -> dict:
         seconds[part] = round(time.perf_counter() - clock, 2)
         clock = time.perf_counter()
 
-    with _isolated_torch(spec.threads):
+    with isolated_torch(spec.threads):
         log(f"tokenizer: byte-level BPE, vocab {spec.vocab_size}, {spec.family} chat format")
         train_tokenizer(list(topics().values()), spec.vocab_size, world.tokenizer, spec.chat)
         tokenizer = AutoTokenizer.from_pretrained(
