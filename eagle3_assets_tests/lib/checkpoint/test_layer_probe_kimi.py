@@ -3,9 +3,9 @@ nested ids are vLLM's default for target-v1's 8 layers ([2, 4, 5], AQ-MedAI's tr
 trained on each reading, probed on target-v1's greedy answers to prompts neither was trained
 on, their states extracted (hf) at both readings' layers, as the probe does. Neither is ever
 pinned to the other reading. The SGLang-trained one is pinned to its own on every build of the
-world measured (t 5.48 native, 4.76 AVX2). The vLLM-trained one is pinned to its own or refused:
-the world's bytes differ by CPU, and on the AVX2 build (CI's) it is not clearly nearer rest its
-way, t 0.64 (the earlier reading is the hard one: `layer_probe.CLEARLY_BETTER`)."""
+world; the vLLM-trained one is pinned to its own or refused, since the world's bytes differ by
+CPU and on the AVX2 build (CI's) it is not clearly nearer rest its way (the earlier reading is
+the hard one; the measurements: `layer_probe.CLEARLY_BETTER` and the README's probe paragraph)."""
 
 import json
 import shutil
