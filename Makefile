@@ -59,7 +59,7 @@ system-packages:
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES)'; fi
 
 # Two workers, each pinned to a core with all it starts, a whole file at a time in the order
-# collected (conftest: long files first, shared worlds built before): 32 min instead of 45 on
+# collected (conftest: long files first, shared worlds built before): 30 min instead of 45 on
 # 2 cores. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup system-packages
