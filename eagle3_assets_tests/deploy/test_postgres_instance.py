@@ -62,11 +62,11 @@ def test_config_matches_the_default_instance_except_storage() -> None:
     retries cannot drift between a laptop and a deployment."""
     default = yaml.safe_load((REPO / "dagster.yaml").read_text())
     postgres = yaml.safe_load(PG_CONFIG.read_text())
-    assert "sqlite" in default["storage"]  # the default stays SQLite
+    assert default["storage"]["custom"]["class"] == "SqliteStorage"  # the default stays SQLite
     assert {k: v for k, v in default.items() if k != "storage"} == {
         k: v for k, v in postgres.items() if k != "storage"
     }
-    secrets = postgres["storage"]["postgres"]["postgres_db"]
+    secrets = postgres["storage"]["custom"]["config"]["postgres_db"]
     del secrets["scheme"]  # the driver, not a secret
     assert all(set(value) == {"env"} for value in secrets.values())  # no literal credentials
 

@@ -1,0 +1,98 @@
+"""Pool slots on the project's instances (dagster.yaml on SQLite, deploy/dagster-postgres.yaml
+on a real PostgreSQL): two steps that claim a slot of a pool of 1 at the same moment never
+both hold it. The moment is made, not waited for: each claimer runs on its own instance, and
+both must reach each of the claim's writes before either makes it, the interleaving in which
+Dagster's own storage tells both CLAIMED."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._utils.concurrency import ConcurrencySlotStatus
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from eagle3_assets_tests.conftest import REPO
+from eagle3_assets_tests.deploy.postgres import running_postgres
+
+# A claim's writes, in order: queue the step (assigned, since both see the slot free), then
+# write the claimer into the free slot both selected.
+CLAIM_WRITES = ("INSERT INTO PENDING_STEPS", "UPDATE CONCURRENCY_SLOTS")
+CLAIMED, BLOCKED = ConcurrencySlotStatus.CLAIMED, ConcurrencySlotStatus.BLOCKED
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def instance_home(request, dagster_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """DAGSTER_HOME with the instance config of a laptop (SQLite) or of a deployment."""
+    if request.param == "sqlite":
+        yield dagster_home
+        return
+    shutil.copy(REPO / "deploy" / "dagster-postgres.yaml", dagster_home / "dagster.yaml")
+    with running_postgres() as postgres:
+        for name, value in postgres.env().items():
+            monkeypatch.setenv(name, value)
+        yield dagster_home
+
+
+@contextmanager
+def claims_in_step(claimers: int) -> Iterator[Counter[str]]:
+    """Holds each thread that set `claimer.run` at each of CLAIM_WRITES until all `claimers`
+    are there; counts the arrivals."""
+    barriers = {write: threading.Barrier(claimers, timeout=60) for write in CLAIM_WRITES}
+    arrivals: Counter[str] = Counter()
+
+    def before_write(conn, cursor, statement: str, *args) -> None:
+        for write, barrier in barriers.items():
+            if getattr(claimer, "run", None) and statement.lstrip().upper().startswith(write):
+                arrivals[write] += 1
+                barrier.wait()
+
+    event.listen(Engine, "before_cursor_execute", before_write)
+    try:
+        yield arrivals
+    finally:
+        event.remove(Engine, "before_cursor_execute", before_write)
+
+
+claimer = threading.local()
+
+
+def test_two_steps_claiming_together_never_both_hold_a_slot(instance_home: Path) -> None:
+    runs = ["run-a", "run-b"]
+    instances = {run: dg.DagsterInstance.get() for run in runs}  # a storage each, as two runs
+    storage = instances["run-a"].event_log_storage
+    storage.set_concurrency_slots("vllm", 1)
+
+    def claim(run: str) -> ConcurrencySlotStatus:
+        claimer.run = run
+        try:
+            status = instances[run].event_log_storage.claim_concurrency_slot("vllm", run, "step")
+        finally:
+            claimer.run = None
+        return status.slot_status
+
+    with claims_in_step(len(runs)) as arrivals, ThreadPoolExecutor(len(runs)) as pool:
+        statuses = dict(zip(runs, pool.map(claim, runs), strict=True))
+    assert arrivals == {write: 2 for write in CLAIM_WRITES}  # both were at each write together
+    assert Counter(statuses.values()) == {CLAIMED: 1, BLOCKED: 1}, statuses
+    (winner,) = [run for run, status in statuses.items() if status == CLAIMED]
+    (loser,) = [run for run, status in statuses.items() if status == BLOCKED]
+    holders = [(s.run_id, s.step_key) for s in storage.get_concurrency_info("vllm").claimed_slots]
+    assert holders == [(winner, "step")]
+
+    # The loser's run asks again: blocked while the winner holds the slot, its own once freed.
+    assert claim(loser) == BLOCKED
+    storage.free_concurrency_slot_for_step(winner, "step")
+    assert claim(loser) == CLAIMED
+    holders = [(s.run_id, s.step_key) for s in storage.get_concurrency_info("vllm").claimed_slots]
+    assert holders == [(loser, "step")]
+    for instance in instances.values():
+        instance.dispose()
