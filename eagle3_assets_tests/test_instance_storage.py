@@ -27,6 +27,7 @@ from eagle3_assets_tests.deploy.postgres import running_postgres
 # write the claimer into the free slot both selected.
 CLAIM_WRITES = ("INSERT INTO PENDING_STEPS", "UPDATE CONCURRENCY_SLOTS")
 CLAIMED, BLOCKED = ConcurrencySlotStatus.CLAIMED, ConcurrencySlotStatus.BLOCKED
+claimer = threading.local()  # `run` set while a test thread claims
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -60,9 +61,6 @@ def claims_in_step(claimers: int) -> Iterator[Counter[str]]:
         yield arrivals
     finally:
         event.remove(Engine, "before_cursor_execute", before_write)
-
-
-claimer = threading.local()
 
 
 def test_two_steps_claiming_together_never_both_hold_a_slot(instance_home: Path) -> None:
