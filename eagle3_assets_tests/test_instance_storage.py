@@ -6,7 +6,6 @@ Dagster's own storage tells both CLAIMED."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -20,8 +19,7 @@ from dagster._utils.concurrency import ConcurrencySlotStatus
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from eagle3_assets_tests.conftest import REPO
-from eagle3_assets_tests.deploy.postgres import running_postgres
+from eagle3_assets_tests.deploy.postgres import running_postgres, use_postgres_instance
 
 # A claim's writes, in order: queue the step (assigned, since both see the slot free), then
 # write the claimer into the free slot both selected.
@@ -36,10 +34,8 @@ def instance_home(request, dagster_home: Path, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "sqlite":
         yield dagster_home
         return
-    shutil.copy(REPO / "deploy" / "dagster-postgres.yaml", dagster_home / "dagster.yaml")
     with running_postgres() as postgres:
-        for name, value in postgres.env().items():
-            monkeypatch.setenv(name, value)
+        use_postgres_instance(dagster_home, postgres, monkeypatch)
         yield dagster_home
 
 

@@ -19,8 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_assets_tests.conftest import free_port
+import pytest
 
+from eagle3_assets_tests.conftest import REPO, free_port
+
+PG_CONFIG = REPO / "deploy" / "dagster-postgres.yaml"  # the deployment's instance config
 PG_BIN = Path(os.environ.get("EAGLE3_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
 
@@ -52,6 +55,14 @@ class Postgres:
             password=self.password,
             dbname=self.db_name,
         )
+
+
+def use_postgres_instance(home: Path, server: Postgres, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DAGSTER_HOME `home` as a deployment has it: deploy/dagster-postgres.yaml, and the
+    server's variables for it (and for the processes started after)."""
+    shutil.copy(PG_CONFIG, home / "dagster.yaml")
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
 
 
 def _as_owner(argv: list[str], owner: str | None) -> list[str]:

@@ -4,7 +4,6 @@ partitions) is still there, value for value, after the webserver restarts."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -15,11 +14,15 @@ from dagster._core.scheduler.instigation import InstigatorType, TickData, TickSt
 
 from eagle3_assets_tests.conftest import REPO, free_port
 from eagle3_assets_tests.deploy.helpers import pipeline_env, project_defs, write_pool
-from eagle3_assets_tests.deploy.postgres import Postgres, running_postgres
+from eagle3_assets_tests.deploy.postgres import (
+    PG_CONFIG,
+    Postgres,
+    running_postgres,
+    use_postgres_instance,
+)
 from eagle3_assets_tests.openai_stub import OpenAIStub
 from eagle3_assets_tests.webserver import Webserver, running_webserver
 
-PG_CONFIG = REPO / "deploy" / "dagster-postgres.yaml"
 REPOSITORY = {"repositoryLocationName": "eagle3_assets", "repositoryName": "__repository__"}
 
 SNAPSHOT = """
@@ -83,15 +86,11 @@ def snapshot(server: Webserver, run_id: str) -> dict:
 
 
 def test_state_survives_a_webserver_restart(
-    postgres: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    postgres: Postgres, dagster_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started = time.monotonic()
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(PG_CONFIG, home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    for name, value in postgres.env().items():
-        monkeypatch.setenv(name, value)
+    home = dagster_home
+    use_postgres_instance(home, postgres, monkeypatch)
 
     with OpenAIStub() as stub:
         env = pipeline_env(
