@@ -60,33 +60,29 @@ def claims_in_step(claimers: int) -> Iterator[Counter[str]]:
 
 
 def test_two_steps_claiming_together_never_both_hold_a_slot(instance_home: Path) -> None:
-    runs = ["run-a", "run-b"]
-    instances = {run: dg.DagsterInstance.get() for run in runs}  # a storage each, as two runs
-    storage = instances["run-a"].event_log_storage
-    storage.set_concurrency_slots("vllm", 1)
+    with dg.DagsterInstance.get() as run_a, dg.DagsterInstance.get() as run_b:  # a storage each
+        storages = {"run-a": run_a.event_log_storage, "run-b": run_b.event_log_storage}
+        storages["run-a"].set_concurrency_slots("vllm", 1)
 
-    def claim(run: str) -> ConcurrencySlotStatus:
-        claimer.run = run
-        try:
-            status = instances[run].event_log_storage.claim_concurrency_slot("vllm", run, "step")
-        finally:
-            claimer.run = None
-        return status.slot_status
+        def claim(run: str) -> ConcurrencySlotStatus:
+            claimer.run = run
+            try:
+                return storages[run].claim_concurrency_slot("vllm", run, "step").slot_status
+            finally:
+                claimer.run = None
 
-    with claims_in_step(len(runs)) as arrivals, ThreadPoolExecutor(len(runs)) as pool:
-        statuses = dict(zip(runs, pool.map(claim, runs), strict=True))
-    assert arrivals == {write: 2 for write in CLAIM_WRITES}  # both were at each write together
-    assert Counter(statuses.values()) == {CLAIMED: 1, BLOCKED: 1}, statuses
-    (winner,) = [run for run, status in statuses.items() if status == CLAIMED]
-    (loser,) = [run for run, status in statuses.items() if status == BLOCKED]
-    holders = [(s.run_id, s.step_key) for s in storage.get_concurrency_info("vllm").claimed_slots]
-    assert holders == [(winner, "step")]
+        def holders() -> list[str]:
+            return [s.run_id for s in storages["run-a"].get_concurrency_info("vllm").claimed_slots]
 
-    # The loser's run asks again: blocked while the winner holds the slot, its own once freed.
-    assert claim(loser) == BLOCKED
-    storage.free_concurrency_slot_for_step(winner, "step")
-    assert claim(loser) == CLAIMED
-    holders = [(s.run_id, s.step_key) for s in storage.get_concurrency_info("vllm").claimed_slots]
-    assert holders == [(loser, "step")]
-    for instance in instances.values():
-        instance.dispose()
+        with claims_in_step(len(storages)) as arrivals, ThreadPoolExecutor(len(storages)) as pool:
+            statuses = dict(zip(storages, pool.map(claim, storages), strict=True))
+        assert arrivals == {write: 2 for write in CLAIM_WRITES}  # both at each write together
+        assert Counter(statuses.values()) == {CLAIMED: 1, BLOCKED: 1}, statuses
+        winner, loser = sorted(statuses, key=lambda run: statuses[run] != CLAIMED)
+        assert holders() == [winner]
+
+        # The loser's run asks again: blocked while the winner holds the slot, its own once freed.
+        assert claim(loser) == BLOCKED
+        storages[winner].free_concurrency_slot_for_step(winner, "step")
+        assert claim(loser) == CLAIMED
+        assert holders() == [loser]
