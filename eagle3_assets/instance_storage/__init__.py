@@ -4,9 +4,10 @@ Dagster 1.13 claims a pool slot in two statements: it selects a free slot, then 
 claimer into that slot by id. Two runs that start together can both select the same free
 slot and both write it, each told CLAIMED: a `vllm` pool of 1 let two generation batches
 load the server at once (a CI run of test_pools.py), on SQLite and on PostgreSQL alike.
-Here the write also requires the slot to be free still, so one of the two wins; the other
-is told BLOCKED, and its run asks again until the winner frees the slot. Configured in
-dagster.yaml (`storage: custom`); `postgres.py` is the same for deployments.
+Here the claim is one statement that writes a free slot only while it is still free, so one
+of the two wins; the other is told BLOCKED, and its run asks again until the winner frees
+it. Configured in dagster.yaml (`storage: custom`); `postgres.py` is the same for
+deployments.
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ class AtomicSlotClaims(SqlEventLogStorage):
             slots.c.step_key.is_(None),
             slots.c.deleted.is_(False),
         )
+        a_free_slot = db.select(slots.c.id).where(free).limit(1).scalar_subquery()
+        # `free` again: PostgreSQL re-checks it once it holds the row a rival may have taken
+        claim = slots.update().where(slots.c.id == a_free_slot, free)
         with self.index_connection() as conn:
-            slot = conn.execute(db.select(slots.c.id).where(free).limit(1)).scalar()
-            if slot is None:
-                return ConcurrencySlotStatus.BLOCKED
-            claim = slots.update().where(slots.c.id == slot, free)  # still free: or it lost
             won = conn.execute(claim.values(run_id=run_id, step_key=step_key)).rowcount == 1
         return ConcurrencySlotStatus.CLAIMED if won else ConcurrencySlotStatus.BLOCKED
 
