@@ -1,24 +1,55 @@
-"""Dagster's instance storage, with pool slots that two steps can never hold at once.
+"""Dagster's instance storage, made safe for several processes at once.
 
-Dagster 1.13 claims a pool slot in two statements: it selects a free slot, then writes the
-claimer into that slot by id. Two runs that start together can both select the same free
-slot and both write it, each told CLAIMED: a `vllm` pool of 1 let two generation batches
-load the server at once (a CI run of test_pools.py), on SQLite and on PostgreSQL alike.
-Here the claim is one statement that writes a free slot only while it is still free, so one
-of the two wins; the other is told BLOCKED, and its run asks again until the winner frees
-it. Configured in dagster.yaml (`storage: custom`); `postgres.py` is the same for
-deployments.
+Pool slots: Dagster 1.13 claims a pool slot in two statements: it selects a free slot, then
+writes the claimer into that slot by id. Two runs that start together can both select the
+same free slot and both write it, each told CLAIMED: a `vllm` pool of 1 let two generation
+batches load the server at once (a CI run of test_pools.py), on SQLite and on PostgreSQL
+alike. Here the claim is one statement that writes a free slot only while it is still free,
+so one of the two wins; the other is told BLOCKED, and its run asks again until the winner
+frees it.
+
+First creation (SQLite): each process that opens a new DAGSTER_HOME creates and stamps the
+databases it finds missing. Two at once (the daemon's code server and the webserver) can
+stamp one database twice, with head and with the revision Dagster assumes for tables found
+unstamped (Dagster issue 27390), and every later open fails on "more than one head". Here
+opening the storage holds a file lock beside the databases, so one process creates them;
+a database already stamped twice that way is repaired, and any other damage refused with
+the file named.
+
+Configured in dagster.yaml (`storage: custom`); `postgres.py` is the same for deployments
+(PostgreSQL stamps head only, in the transaction that creates the tables: no such race).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import dagster._core.storage.runs.sqlite.sqlite_run_storage as sqlite_run_storage
 import sqlalchemy as db
+from alembic.script import ScriptDirectory
 from dagster._core.storage.event_log import SqliteEventLogStorage
 from dagster._core.storage.event_log.schema import ConcurrencySlotsTable
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+from dagster._core.storage.sql import get_alembic_config
 from dagster._core.storage.sqlite_storage import DagsterSqliteStorage, _event_logs_directory
 from dagster._serdes import ConfigurableClassData
 from dagster._utils.concurrency import ConcurrencySlotStatus
+
+log = logging.getLogger(__name__)
+
+# The databases whose creation stamps a revision, relative to base_dir (each run's own event
+# database is created with head only, and Dagster retries a concurrent stamp of it).
+STAMPED_DATABASES = ("history/runs.db", "history/runs/index.db", "schedules/schedules.db")
+CREATION_LOCK = ".storage.lock"
+
+
+class DamagedInstanceError(RuntimeError):
+    """An instance database whose revision stamps this storage cannot repair."""
 
 
 class AtomicSlotClaims(SqlEventLogStorage):
@@ -45,12 +76,64 @@ class AtomicSqliteEventLogStorage(AtomicSlotClaims, SqliteEventLogStorage):
     pass
 
 
+@contextmanager
+def creation_lock(base_dir: Path) -> Iterator[None]:
+    """Held by one process at a time while it opens (and, the first time, creates) the
+    databases under base_dir; per open file, so threads of one process take turns too."""
+    base_dir.mkdir(parents=True, exist_ok=True)
+    with open(base_dir / CREATION_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def repair_revision_stamps(database: Path) -> None:
+    """One stamp per database: of two, the head and an older revision (the concurrent first
+    creation's), keep the head, since both creators made the tables at head; refuse anything
+    else with what to do."""
+    if not database.exists():
+        return
+    with closing(sqlite3.connect(database)) as conn:
+        if not conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"
+        ).fetchone():
+            return
+        stamps = [row[0] for row in conn.execute("SELECT version_num FROM alembic_version")]
+        if len(stamps) <= 1:
+            return
+        script = ScriptDirectory.from_config(get_alembic_config(sqlite_run_storage.__file__))
+        head = script.get_current_head()
+        history = {revision.revision for revision in script.iterate_revisions(head, "base")}
+        if head not in stamps or not set(stamps) <= history:
+            raise DamagedInstanceError(
+                f"{database}: alembic_version holds {len(stamps)} revisions {sorted(stamps)}, "
+                f"expected one (this Dagster's head is {head}); it was not made by two "
+                "processes creating the instance at once, so it is not repaired here. Stop "
+                "every Dagster process on this DAGSTER_HOME, then run `dagster instance "
+                "migrate`, or move the file aside to start it afresh (its runs are lost)."
+            )
+        with conn:
+            conn.execute("DELETE FROM alembic_version WHERE version_num != ?", (head,))
+    log.warning(
+        "%s: stamped %s by two processes that created it at once; kept the head %s",
+        database,
+        sorted(stamps),
+        head,
+    )
+
+
 class SqliteStorage(DagsterSqliteStorage):
-    """Dagster's SQLite storage (`storage: sqlite`), its slot claims atomic."""
+    """Dagster's SQLite storage (`storage: sqlite`), its slot claims atomic, opened under
+    the creation lock."""
 
     def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None) -> None:
-        super().__init__(base_dir, inst_data)
-        self._event_log_storage = AtomicSqliteEventLogStorage(_event_logs_directory(base_dir))
+        with creation_lock(Path(base_dir)):
+            for database in STAMPED_DATABASES:
+                repair_revision_stamps(Path(base_dir) / database)
+            super().__init__(base_dir, inst_data)
+            self._event_log_storage = AtomicSqliteEventLogStorage(_event_logs_directory(base_dir))
 
     @classmethod
     def from_config_value(
