@@ -78,6 +78,33 @@ def eager_on_checked_inputs() -> dg.AutomationCondition:
     failed = dg.AutomationCondition.any_checks_match(
         dg.AutomationCondition.check_failed(), blocking_only=True
     )
-    return dg.AutomationCondition.eager() & ~dg.AutomationCondition.any_deps_match(
+    # eager() never asks again for a step whose run failed for good (its retries spent): it
+    # is asked once more on the first evaluation after `request_failed_steps_again`
+    again = (
+        dg.AutomationCondition.execution_failed()
+        & dg.AutomationCondition.initial_evaluation()
+        & ~dg.AutomationCondition.any_deps_missing()
+        & ~dg.AutomationCondition.any_deps_in_progress()
+        & ~dg.AutomationCondition.in_progress()
+    ).with_label("failed, asked again")
+    return (dg.AutomationCondition.eager() | again) & ~dg.AutomationCondition.any_deps_match(
         failed
     ).with_label("any_deps_blocking_check_failed")
+
+
+def request_failed_steps_again(instance: dg.DagsterInstance) -> list[str]:
+    """The user's request to go on (`make demo` again, or `dagster sensor cursor --delete` on
+    each automation sensor): every automation sensor starts afresh, so its next tick asks once
+    more for each step whose latest run failed, through the sensor's own request (its tags,
+    pools and run retries). Returns the sensors' names."""
+    from dagster._core.definitions.sensor_definition import SensorType
+    from dagster._core.scheduler.instigation import InstigatorType
+
+    cleared = []
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        data = state.instigator_data
+        automation = (SensorType.AUTO_MATERIALIZE, SensorType.AUTOMATION)
+        if getattr(data, "sensor_type", None) in automation and data.cursor:
+            instance.update_instigator_state(state.with_data(data._replace(cursor=None)))
+            cleared.append(state.name)
+    return sorted(cleared)

@@ -36,6 +36,7 @@ from eagle3_assets.lib.serving.rollout import drafter_of, last_good
 from eagle3_assets.lib.serving.vllm_launcher import (
     LaunchError,
     VLLMLaunchSpec,
+    group_alive,
     launched_spec,
     log_tail,
     read_pid,
@@ -52,6 +53,7 @@ from eagle3_assets.localdev.miniature import (
 from eagle3_assets.localdev.processes import running_daemon
 from eagle3_assets.localdev.prompts import DATA_MODEL_TOPICS, split_by_kind
 from eagle3_assets.localdev.world import World, build_world
+from eagle3_assets.partitions import request_failed_steps_again
 
 DEMO_WORLDS = {"kimi": "kimi-demo", "llama": "demo"}  # `make demo WORLD=llama`: the Llama one
 LAUNCH_JOB = "launch"
@@ -104,14 +106,22 @@ def will_retry(run) -> bool:
 
 
 def follow_launch(
-    instance, started: float, timeout_s: float, say, since: float, base_url: str
+    instance,
+    started: float,
+    timeout_s: float,
+    say,
+    since: float,
+    base_url: str,
+    keep_serving: Callable[[], None] = lambda: None,
 ) -> object:
     """Narrate the observations made since `since`, then the launch run of the server that
     answers at `base_url` now (an older start's runs are history) and its retries; return the
-    attempt that succeeded, or the one that failed for good."""
+    attempt that succeeded, or the one that failed for good. `keep_serving` runs at each
+    poll: the server waited on may die meanwhile."""
     last_observation, seen_status = 0, {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        keep_serving()
         for record in observations_since(instance, since, last_observation):
             last_observation = record.storage_id
             meta = {k: v.value for k, v in record.asset_observation.metadata.items()}
@@ -187,6 +197,84 @@ def run_label(run) -> str:
     return f"{what}[{partition}]" if partition else what
 
 
+@dataclass(frozen=True)
+class FailedStep:
+    """A step of the story whose latest run failed and will not be retried."""
+
+    run_id: str
+    label: str  # run_label's
+    error: str  # the last line of its last error
+
+    def tell(self) -> str:
+        return (
+            f"{self.label} failed for good in run {self.run_id[:8]}: {self.error}; its log: "
+            f"`make ui` -> Runs -> {self.run_id[:8]}. Fix the cause, then `make demo` again: "
+            "it asks for this step once more and the story goes on from the saved progress"
+        )
+
+
+class StoryStopped(Exception):
+    def __init__(self, steps: list[FailedStep]) -> None:
+        super().__init__("; ".join(step.tell() for step in steps))
+        self.steps = steps
+
+
+def last_error(instance, run_id: str) -> str:
+    """The innermost cause of the run's last step failure, or its run failure's message (a
+    worker that died has no step failure)."""
+    import dagster as dg
+
+    types = {dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE}
+    for entry in reversed(instance.all_logs(run_id, of_type=types)):
+        error = getattr(entry.dagster_event.event_specific_data, "error", None)
+        while error is not None and error.cause is not None:
+            error = error.cause
+        text = (error.message if error is not None else entry.message or "").strip()
+        if text:
+            return text.splitlines()[-1]
+    return "no error recorded"
+
+
+def failed_for_good(instance, ended_after: float = 0.0) -> list[FailedStep]:
+    """The steps whose latest run (by run_label) failed, will not be retried, ended after
+    `ended_after` (epoch seconds) and left an asset of its selection unmaterialized since it
+    was created (no later run of another label made it)."""
+    import dagster as dg
+    from dagster._core.storage.tags import PARTITION_NAME_TAG
+
+    latest: dict[str, object] = {}
+    for record in instance.get_run_records(limit=100):  # newest first
+        latest.setdefault(run_label(record.dagster_run), record)
+    failed = []
+    for label, record in latest.items():
+        run = record.dagster_run
+        ended = record.end_time or 0.0
+        if run.status != dg.DagsterRunStatus.FAILURE or will_retry(run) or ended <= ended_after:
+            continue
+        partition = run.tags.get(PARTITION_NAME_TAG)
+        made = [
+            dg.AssetRecordsFilter(
+                key,
+                asset_partitions=[partition] if partition else None,
+                after_timestamp=record.create_timestamp.timestamp(),
+            )
+            for key in run.asset_selection or ()
+        ]
+        if not all(instance.fetch_materializations(m, limit=1).records for m in made):
+            failed.append(FailedStep(run.run_id, label, last_error(instance, run.run_id)))
+    return failed
+
+
+def ask_again_for_failed_steps(instance, say) -> None:
+    """`make demo` again is the user's request to go on: each step that failed for good is
+    asked for once more, by the automation that asked for it first."""
+    if failed := failed_for_good(instance):
+        sensors = ", ".join(request_failed_steps_again(instance))
+        for step in failed:
+            say(f"{step.label} failed for good in run {step.run_id[:8]} ({step.error}): "
+                f"asking for it once more ({sensors} start afresh)")  # fmt: skip
+
+
 class Narrator:
     """Prints the runs and materializations made since the demo started, as the UI lists
     them, while waiting for the story's next step."""
@@ -200,12 +288,15 @@ class Narrator:
         self.cursors: dict[str, str | None] = dict.fromkeys(SUMMARY)
 
     def until(self, step: Callable[[], T | None], what: str, timeout_s: float = 3600) -> T:
-        """Narrate until `step()` returns something (the story's next step is done)."""
+        """Narrate until `step()` returns something (the story's next step is done); a step
+        that failed for good meanwhile stops the story (nothing would ask for it again)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.narrate()
             if (done := step()) is not None:
                 return done
+            if failed := failed_for_good(self.instance, ended_after=self.since):
+                raise StoryStopped(failed)
             time.sleep(2)
         raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
 
@@ -518,6 +609,19 @@ def ensure_serving(spec: VLLMLaunchSpec, say) -> bool:
     return True
 
 
+def restart_if_dead(spec: VLLMLaunchSpec, say) -> None:
+    """The server the demo started, started again as last launched (a rollout's drafter
+    included) if its process group died: a kill -9 of vLLM's engine ends its API server
+    seconds later, and no launch run can come without a server."""
+    pid = read_pid(spec.pid_file)
+    if pid is None or group_alive(pid):  # not ours, or alive
+        return
+    last = launched_spec(spec.run_dir) if (spec.run_dir / "launch.json").exists() else spec
+    new = start(last)
+    say(f"the vLLM server it waited on (pid {pid}) exited: started it again as last launched "
+        f"(pid {new}); log: {last.log_file}")  # fmt: skip
+
+
 def wait_idle(instance, timeout_s: float = 600) -> None:
     """Until no run is queued or in flight (a daemon stopped now interrupts nothing)."""
     import dagster as dg
@@ -575,12 +679,21 @@ def main(argv: list[str] | None = None) -> int:
     daemon_log = data / "dagster-daemon.log"
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
         narrator = Narrator(instance, started, since, say)
+        ask_again_for_failed_steps(instance, say)
         try:
             if not traffic.dropped(traffic.arrivals[1]):  # the third act runs its own recipe
                 with running_daemon(dagster_home, env, daemon_log):
                     say(f"dagster daemon running (DAGSTER_HOME={dagster_home}); the readiness "
                         "sensor ticks every 10 s")  # fmt: skip
-                    run = follow_launch(instance, started, 900, say, since, spec.base_url)
+                    run = follow_launch(
+                        instance,
+                        started,
+                        900,
+                        say,
+                        since,
+                        spec.base_url,
+                        keep_serving=lambda: restart_if_dead(spec, say),
+                    )
                     if run.status != dg.DagsterRunStatus.SUCCESS:  # and no retry is coming
                         say(f"launch run {run.run_id} ended {run.status.value}: see `make ui`")
                         return 1
@@ -596,6 +709,13 @@ def main(argv: list[str] | None = None) -> int:
                 wait_idle(instance)
         except TimeoutError as error:
             say(f"{error}; vLLM log tail:\n{log_tail(spec)}")
+            return 1
+        except StoryStopped as stopped:
+            for step in stopped.steps:
+                say(step.tell())
+            return 1
+        except LaunchError as error:
+            say(f"cannot start vLLM again: {error}")
             return 1
     say(f"done in {time.monotonic() - started:.0f}s")
     status = epilogue(story, say)

@@ -28,12 +28,16 @@ def process_group(
 
 
 def running_daemon(
-    dagster_home: Path, env: dict[str, str], log_file: Path
+    dagster_home: Path,
+    env: dict[str, str],
+    log_file: Path,
+    code: tuple[str, ...] = ("-w", str(PROJECT_ROOT / "workspace.yaml")),
 ) -> contextlib.AbstractContextManager[subprocess.Popen]:
-    """`dagster-daemon run` on the project's workspace, with `env` and DAGSTER_HOME."""
+    """`dagster-daemon run` on the project's workspace (or other `code`: `-m module`), with
+    `env` and DAGSTER_HOME."""
     daemon = Path(sys.executable).parent / "dagster-daemon"
     return process_group(
-        [str(daemon), "run", "-w", str(PROJECT_ROOT / "workspace.yaml")],
+        [str(daemon), "run", *code],
         {**os.environ, **env, "DAGSTER_HOME": str(dagster_home)},
         log_file,
     )

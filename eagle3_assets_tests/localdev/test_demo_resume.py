@@ -8,6 +8,7 @@ would write them."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import dagster as dg
@@ -15,8 +16,27 @@ import pytest
 from dagster._core.events import JobFailureData, RunFailureReason
 from dagster._core.storage.tags import PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG, WILL_RETRY_TAG
 
-from eagle3_assets.localdev.demo import LAUNCH_JOB, SENSOR_NAME, attempts, follow_launch
+from eagle3_assets.lib.serving.vllm_launcher import (
+    VLLMLaunchSpec,
+    group_alive,
+    launched_spec,
+    read_pid,
+    start,
+    stop,
+    terminate_group,
+)
+from eagle3_assets.localdev.demo import (
+    LAUNCH_JOB,
+    SENSOR_NAME,
+    Narrator,
+    StoryStopped,
+    attempts,
+    follow_launch,
+    restart_if_dead,
+)
+from eagle3_assets_tests.conftest import free_port
 from eagle3_assets_tests.fault_server import FaultServer
+from eagle3_assets_tests.lib.serving.test_vllm_launcher import OBEYS_TERM, fake_venv
 
 OLD_START, NEW_START = 1_700_000_000, 1_700_000_600
 
@@ -116,3 +136,66 @@ def test_a_retry_that_fails_too_has_failed_for_good(instance, server):
 
     assert followed.run_id == retry.run_id and followed.status == dg.DagsterRunStatus.FAILURE
     assert said[-1].endswith(f"launch run {retry.run_id[:8]}: FAILURE")
+
+
+def test_a_step_whose_retries_are_spent_stops_the_story_with_its_run_and_error(instance):
+    """kill -9 of drafter_evaluation+eagle3_drafter three times: the third failure is final,
+    and the demo says so instead of waiting for an evaluation that nothing asks for."""
+    since = time.time()
+    narrator = Narrator(instance, time.monotonic(), since, lambda line: None)
+    selection = frozenset({dg.AssetKey("drafter_evaluation"), dg.AssetKey("eagle3_drafter")})
+
+    def attempt(parent: dg.DagsterRun | None = None) -> dg.DagsterRun:
+        run = dg.DagsterRun(job_name="__ASSET_JOB", asset_selection=selection)
+        if parent is not None:
+            root = parent.root_run_id or parent.run_id
+            run = run._replace(
+                parent_run_id=parent.run_id,
+                root_run_id=root,
+                tags={PARENT_RUN_ID_TAG: parent.run_id, ROOT_RUN_ID_TAG: root},
+            )
+        return fail(instance, instance.add_run(run._replace(status=dg.DagsterRunStatus.STARTED)))
+
+    first = attempt()
+    with pytest.raises(TimeoutError):  # a retry is coming: still waiting
+        narrator.until(lambda: None, "evaluation of candidate 1", timeout_s=3)
+    last = attempt(attempt(first))
+    assert last.tags[WILL_RETRY_TAG] == "false"
+    with pytest.raises(StoryStopped) as stopped:
+        narrator.until(lambda: None, "evaluation of candidate 1", timeout_s=30)
+    (step,) = stopped.value.steps
+    assert (step.run_id, step.label, step.error) == (
+        last.run_id,
+        "drafter_evaluation+eagle3_drafter",
+        "run worker died",
+    )
+    assert step.tell().startswith(
+        f"drafter_evaluation+eagle3_drafter failed for good in run {last.run_id[:8]}: run "
+        f"worker died; its log: `make ui` -> Runs -> {last.run_id[:8]}. Fix the cause, then "
+        "`make demo` again"
+    )
+
+
+def test_the_server_waited_on_is_started_again_as_last_launched_when_it_dies(tmp_path):
+    """vLLM's engine killed, its API server gone seconds later: the demo starts it again,
+    with what it was last launched with (a rollout's drafter), not the plain spec."""
+    plain = VLLMLaunchSpec(
+        model="m", python=fake_venv(tmp_path, OBEYS_TERM), run_dir=tmp_path / "r", port=free_port()
+    )
+    rolled_out = dataclasses.replace(plain, speculative_config={"model": "drafter-v002"})
+    said: list[str] = []
+    died = start(rolled_out)
+    try:
+        restart_if_dead(plain, said.append)
+        assert said == [] and read_pid(plain.pid_file) == died  # alive: left alone
+        terminate_group(died, grace_s=5.0)  # its pid file stays: died, not stopped
+        restart_if_dead(plain, said.append)
+        again = read_pid(plain.pid_file)
+        assert again != died and group_alive(again)
+        assert launched_spec(plain.run_dir) == rolled_out
+        assert said == [
+            f"the vLLM server it waited on (pid {died}) exited: started it again as last "
+            f"launched (pid {again}); log: {plain.log_file}"
+        ]
+    finally:
+        stop(plain.run_dir, grace_s=5.0)
