@@ -90,11 +90,7 @@ def test_a_new_postgres_instance_opened_by_many_processes_is_created_once(
     tmp_path: Path, postgres: Postgres
 ) -> None:
     for round_ in range(ROUNDS):
-        name = f"round_{round_}"  # an empty database each round
-        with contextlib.closing(postgres.connect()) as conn:
-            conn.autocommit = True
-            conn.cursor().execute(f'CREATE DATABASE "{name}"')
-        server = Postgres(postgres.host, postgres.port, postgres.user, postgres.password, name)
+        server = postgres.new_database(f"round_{round_}")  # an empty database each round
         home = new_home(tmp_path / f"home-{round_}", PG_CONFIG)
         found = open_together(home, server.env())
         assert found == [("opener", ["opened"])] * PROCESSES, f"round {round_}: {found}"

@@ -577,12 +577,19 @@ def claim_data(data: Path, size: str) -> str | None:
     return None
 
 
+def last_launched(spec: VLLMLaunchSpec) -> VLLMLaunchSpec:
+    """The server of `spec`'s run dir as it was last started (with the drafter a rollout
+    gave it), or `spec` if it never was."""
+    return launched_spec(spec.run_dir) if (spec.run_dir / "launch.json").exists() else spec
+
+
 def serving_spec(world: World, data: Path, port: int) -> VLLMLaunchSpec:
-    """The replica as it was last started (with the drafter a rollout gave it), or plain."""
-    plain = miniature_server(
-        world.target_v2, data / "vllm", port, SERVED_TARGET_NAME, world.spec.trust_remote_code
+    """The replica as it was last started, or plain."""
+    return last_launched(
+        miniature_server(
+            world.target_v2, data / "vllm", port, SERVED_TARGET_NAME, world.spec.trust_remote_code
+        )
     )
-    return launched_spec(plain.run_dir) if (plain.run_dir / "launch.json").exists() else plain
 
 
 def ensure_serving(spec: VLLMLaunchSpec, say) -> bool:
@@ -616,7 +623,7 @@ def restart_if_dead(spec: VLLMLaunchSpec, say) -> None:
     pid = read_pid(spec.pid_file)
     if pid is None or group_alive(pid):  # not ours, or alive
         return
-    last = launched_spec(spec.run_dir) if (spec.run_dir / "launch.json").exists() else spec
+    last = last_launched(spec)
     new = start(last)
     say(f"the vLLM server it waited on (pid {pid}) exited: started it again as last launched "
         f"(pid {new}); log: {last.log_file}")  # fmt: skip

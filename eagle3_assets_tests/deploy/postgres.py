@@ -8,6 +8,7 @@ run directly. Password authentication (scram) is on, so a wrong password would f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pwd
 import shutil
@@ -55,6 +56,13 @@ class Postgres:
             password=self.password,
             dbname=self.db_name,
         )
+
+    def new_database(self, db_name: str) -> Postgres:
+        """The same server with an empty database `db_name`, created now."""
+        with contextlib.closing(self.connect()) as conn:
+            conn.autocommit = True
+            conn.cursor().execute(f'CREATE DATABASE "{db_name}"')
+        return dataclasses.replace(self, db_name=db_name)
 
 
 def use_postgres_instance(home: Path, server: Postgres, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,10 +118,7 @@ def running_postgres(db_name: str = "dagster") -> Iterator[Postgres]:
         log.close()
         server = Postgres("127.0.0.1", port, user, password, "postgres")
         _wait_accepting(server, process, root / "postgres.log")
-        with contextlib.closing(server.connect()) as conn:
-            conn.autocommit = True
-            conn.cursor().execute(f'CREATE DATABASE "{db_name}"')
-        yield Postgres("127.0.0.1", port, user, password, db_name)
+        yield server.new_database(db_name)
     finally:
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGINT)  # "fast" shutdown
