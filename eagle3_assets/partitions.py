@@ -100,11 +100,11 @@ def request_failed_steps_again(instance: dg.DagsterInstance) -> list[str]:
     from dagster._core.definitions.sensor_definition import SensorType
     from dagster._core.scheduler.instigation import InstigatorType
 
-    cleared = []
-    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        data = state.instigator_data
-        automation = (SensorType.AUTO_MATERIALIZE, SensorType.AUTOMATION)
-        if getattr(data, "sensor_type", None) in automation and data.cursor:
-            instance.update_instigator_state(state.with_data(data._replace(cursor=None)))
-            cleared.append(state.name)
-    return sorted(cleared)
+    automation = {SensorType.AUTO_MATERIALIZE, SensorType.AUTOMATION}  # by where it evaluates
+    states = instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+    cleared = [s for s in states if s.instigator_data.sensor_type in automation]
+    for state in cleared:
+        instance.update_instigator_state(
+            state.with_data(state.instigator_data._replace(cursor=None))
+        )
+    return sorted(state.name for state in cleared)

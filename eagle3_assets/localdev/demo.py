@@ -205,11 +205,14 @@ class FailedStep:
     label: str  # run_label's
     error: str  # the last line of its last error
 
+    def __str__(self) -> str:
+        return f"{self.label} failed for good in run {self.run_id[:8]} ({self.error})"
+
     def tell(self) -> str:
         return (
-            f"{self.label} failed for good in run {self.run_id[:8]}: {self.error}; its log: "
-            f"`make ui` -> Runs -> {self.run_id[:8]}. Fix the cause, then `make demo` again: "
-            "it asks for this step once more and the story goes on from the saved progress"
+            f"{self}; its log: `make ui` -> Runs -> {self.run_id[:8]}. Fix the cause, then "
+            "`make demo` again: it asks for this step once more and the story goes on from "
+            "the saved progress"
         )
 
 
@@ -271,8 +274,7 @@ def ask_again_for_failed_steps(instance, say) -> None:
     if failed := failed_for_good(instance):
         sensors = ", ".join(request_failed_steps_again(instance))
         for step in failed:
-            say(f"{step.label} failed for good in run {step.run_id[:8]} ({step.error}): "
-                f"asking for it once more ({sensors} start afresh)")  # fmt: skip
+            say(f"{step}: asking for it once more ({sensors} start afresh)")
 
 
 class Narrator:

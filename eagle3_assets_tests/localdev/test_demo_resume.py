@@ -170,8 +170,8 @@ def test_a_step_whose_retries_are_spent_stops_the_story_with_its_run_and_error(i
         "run worker died",
     )
     assert step.tell().startswith(
-        f"drafter_evaluation+eagle3_drafter failed for good in run {last.run_id[:8]}: run "
-        f"worker died; its log: `make ui` -> Runs -> {last.run_id[:8]}. Fix the cause, then "
+        f"drafter_evaluation+eagle3_drafter failed for good in run {last.run_id[:8]} (run "
+        f"worker died); its log: `make ui` -> Runs -> {last.run_id[:8]}. Fix the cause, then "
         "`make demo` again"
     )
 
