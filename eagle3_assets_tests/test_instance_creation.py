@@ -18,7 +18,7 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.sqlite import LAST_KNOWN_STAMPED_SQLITE_ALEMBIC_REVISION
 
-from eagle3_assets.instance_storage import STAMPED_DATABASES, DamagedInstanceError
+from eagle3_assets.instance_storage import DamagedInstanceError, stamped_databases
 from eagle3_assets_tests.conftest import REPO
 from eagle3_assets_tests.deploy.postgres import PG_CONFIG, Postgres, running_postgres
 
@@ -76,8 +76,8 @@ def test_a_new_sqlite_instance_opened_by_many_processes_is_created_once(tmp_path
         home = new_home(tmp_path / f"home-{round_}", REPO / "dagster.yaml")
         found = open_together(home, {})
         assert found == [("opener", ["opened"])] * PROCESSES, f"round {round_}: {found}"
-        for database in STAMPED_DATABASES:
-            assert len(stamps(home / database)) == 1, f"round {round_}: {database}"
+        for database in stamped_databases(str(home)):
+            assert len(stamps(database)) == 1, f"round {round_}: {database}"
 
 
 @pytest.fixture(scope="module")

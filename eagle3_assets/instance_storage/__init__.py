@@ -35,16 +35,21 @@ from alembic.script import ScriptDirectory
 from dagster._core.storage.event_log import SqliteEventLogStorage
 from dagster._core.storage.event_log.schema import ConcurrencySlotsTable
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import INDEX_SHARD_NAME
+from dagster._core.storage.runs import SqliteRunStorage
+from dagster._core.storage.schedules import SqliteScheduleStorage
 from dagster._core.storage.sql import get_alembic_config
-from dagster._core.storage.sqlite_storage import DagsterSqliteStorage, _event_logs_directory
+from dagster._core.storage.sqlite_storage import (
+    DagsterSqliteStorage,
+    _event_logs_directory,
+    _runs_directory,
+    _schedule_directory,
+)
 from dagster._serdes import ConfigurableClassData
 from dagster._utils.concurrency import ConcurrencySlotStatus
 
 log = logging.getLogger(__name__)
 
-# The databases whose creation stamps a revision, relative to base_dir (each run's own event
-# database is created with head only, and Dagster retries a concurrent stamp of it).
-STAMPED_DATABASES = ("history/runs.db", "history/runs/index.db", "schedules/schedules.db")
 CREATION_LOCK = ".storage.lock"
 
 
@@ -89,6 +94,16 @@ def creation_lock(base_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def stamped_databases(base_dir: str) -> list[Path]:
+    """The databases whose creation stamps a revision, where Dagster puts them (each run's
+    own event database is stamped head only, and Dagster retries a concurrent stamp of it)."""
+    return [
+        Path(_runs_directory(base_dir)) / "runs.db",
+        Path(_event_logs_directory(base_dir)) / f"{INDEX_SHARD_NAME}.db",
+        Path(_schedule_directory(base_dir)) / "schedules.db",
+    ]
+
+
 def repair_revision_stamps(database: Path) -> None:
     """One stamp per database: of two, the head and an older revision (the concurrent first
     creation's), keep the head, since both creators made the tables at head; refuse anything
@@ -129,11 +144,15 @@ class SqliteStorage(DagsterSqliteStorage):
     the creation lock."""
 
     def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None) -> None:
+        # Dagster's own __init__, the atomic event log built instead of its (not beside it)
+        self.base_dir, self._inst_data = base_dir, inst_data
         with creation_lock(Path(base_dir)):
-            for database in STAMPED_DATABASES:
-                repair_revision_stamps(Path(base_dir) / database)
-            super().__init__(base_dir, inst_data)
+            for database in stamped_databases(base_dir):
+                repair_revision_stamps(database)
+            self._run_storage = SqliteRunStorage.from_local(_runs_directory(base_dir))
             self._event_log_storage = AtomicSqliteEventLogStorage(_event_logs_directory(base_dir))
+            self._schedule_storage = SqliteScheduleStorage.from_local(_schedule_directory(base_dir))
+        super(DagsterSqliteStorage, self).__init__()
 
     @classmethod
     def from_config_value(

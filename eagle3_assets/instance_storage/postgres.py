@@ -13,7 +13,12 @@ from contextlib import contextmanager
 
 import sqlalchemy as db
 from dagster._serdes import ConfigurableClassData
-from dagster_postgres import DagsterPostgresStorage, PostgresEventLogStorage
+from dagster_postgres import (
+    DagsterPostgresStorage,
+    PostgresEventLogStorage,
+    PostgresRunStorage,
+    PostgresScheduleStorage,
+)
 from dagster_postgres.auth import PgTokenProvider
 from dagster_postgres.utils import (
     create_pg_engine,
@@ -60,11 +65,17 @@ class PostgresStorage(DagsterPostgresStorage):
         inst_data: ConfigurableClassData | None = None,
         token_provider: PgTokenProvider | None = None,
     ) -> None:
+        # Dagster's own __init__, the atomic event log built instead of its (not beside it)
+        self.postgres_url, self.should_autocreate_tables = postgres_url, should_autocreate_tables
+        self._inst_data = inst_data
+        args = (postgres_url, should_autocreate_tables)
         with creation_lock(postgres_url, token_provider):
-            super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
+            self._run_storage = PostgresRunStorage(*args, token_provider=token_provider)
             self._event_log_storage = AtomicPostgresEventLogStorage(
-                postgres_url, should_autocreate_tables, token_provider=token_provider
+                *args, token_provider=token_provider
             )
+            self._schedule_storage = PostgresScheduleStorage(*args, token_provider=token_provider)
+        super(DagsterPostgresStorage, self).__init__()
 
     @classmethod
     def from_config_value(
