@@ -99,13 +99,13 @@ def our_parts(shape: StepShape, inputs: dict[str, torch.Tensor]):
 
 def our_step(shape: StepShape, inputs: dict[str, torch.Tensor], world: int = 1):
     """Our trainer's step (train_drafter.train's loop body, minus the reader): on one rank the
-    bare objective, on several the same one in DistributedDataParallel (bucketed all-reduce
+    bare drafter, on several the drafter in DistributedDataParallel (bucketed all-reduce
     overlapped with backward), as `train()` builds it."""
     from eagle3_assets.lib.training.train_drafter import training_objective
-    from eagle3_assets.lib.training.ttt import make_batch
+    from eagle3_assets.lib.training.ttt import make_batch, ttt_loss
 
     model, head, sample, recipe = our_parts(shape, inputs)
-    objective = training_objective(model, recipe, world)
+    objective = training_objective(model, world)
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = (
         torch.optim.AdamW(
@@ -117,7 +117,7 @@ def our_step(shape: StepShape, inputs: dict[str, torch.Tensor], world: int = 1):
 
     def step() -> float:
         batch = make_batch([sample], head, model.t2d, shape.ttt)
-        loss, *_ = objective(batch)
+        loss, *_ = ttt_loss(objective, batch, recipe.ttt_length, recipe.decay)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, recipe.grad_clip)
         if optimizer is not None:

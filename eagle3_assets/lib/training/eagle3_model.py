@@ -65,86 +65,6 @@ def scratch_config(target: dict, draft_vocab_size: int) -> DrafterConfig:
     )
 
 
-def columns_linear(x: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """x [..., n] times the weight's columns start..start + n (x @ weight[:, cols].T)."""
-    return F.linear(x, weight[:, start : start + x.shape[-1]])
-
-
-class _ChainedWeight(torch.autograd.Function):
-    """The weight as every step of one chain reads it (an alias). Its backward runs once all
-    the steps' have: the weight's gradient as one product over every step's rows per block
-    of columns, written in place, from the (output gradient, input, first column) triples
-    that `_ChainedLinear` kept."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, uses: list) -> torch.Tensor:
-        ctx.uses, ctx.dtype, ctx.shape = uses, weight.dtype, weight.shape
-        ctx.set_materialize_grads(False)  # the steps pass none: no weight-sized zeros
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, unused: torch.Tensor | None):
-        uses = list(ctx.uses)
-        ctx.uses.clear()  # every step's pair is here: free them now
-        if not uses:  # no step's output reached the loss
-            return None, None
-        first = uses[0][0]
-        widths = {start: x.shape[-1] for _, x, start in uses}  # blocks of columns read
-        out, width = first.shape[-1], ctx.shape[1]
-        whole = sum(widths.values()) == width  # else zeros where no step read
-        grad = first.new_empty(out, width) if whole else first.new_zeros(out, width)
-        for start, columns in sorted(widths.items()):
-            block = [(g, x) for g, x, s in uses if s == start]
-            grads = torch.cat([g.reshape(-1, out) for g, _ in block])
-            inputs = torch.cat([x.reshape(-1, columns) for _, x in block])
-            torch.mm(grads.T, inputs, out=grad[:, start : start + columns])
-        return grad.to(ctx.dtype), None
-
-
-class _ChainedLinear(torch.autograd.Function):
-    """F.linear of x over the weight's columns start..start + x's width. Its backward gives
-    x's gradient and keeps the rest for the weight's `_ChainedWeight`; in the autocast
-    dtype when autocast is on (the output's)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, uses: list, start: int):
-        ctx.save_for_backward(x, weight)
-        ctx.uses, ctx.start = uses, start
-        return columns_linear(x, weight, start)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        # detached: a kept input with its graph would tie the list to it in a cycle
-        ctx.uses.append((grad, x.detach().to(grad.dtype), ctx.start))
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        columns = weight[:, ctx.start : ctx.start + x.shape[-1]]
-        return grad @ columns.to(grad.dtype), None, None, None
-
-
-class StepWeights:
-    """Multiplies by the weights that every TTT step reads (q, k, v, o_proj, the MLP,
-    lm_head). Plain autograd computes such a weight's gradient once per step, a [out, S] x
-    [S, in] product that is memory-bound at short S, and adds the steps' weight-sized
-    results; here it is one product over all steps' rows, written into one new tensor when
-    backward reaches the weight: the same sums, fewer and larger matmuls, no weight-sized
-    temporaries. One per chain; without autograd (no_grad) it is F.linear."""
-
-    def __init__(self) -> None:
-        self._aliases: dict[torch.Tensor, tuple[torch.Tensor, list]] = {}  # by identity
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """`columns_linear`, its weight gradient chained."""
-        if not torch.is_grad_enabled():
-            return columns_linear(x, weight, start)
-        if weight not in self._aliases:
-            uses: list = []
-            self._aliases[weight] = (_ChainedWeight.apply(weight, uses), uses)
-        alias, uses = self._aliases[weight]
-        return _ChainedLinear.apply(x, alias, uses, start)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -188,8 +108,8 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """q, k and v read cat[input_layernorm(embed(token)), hidden_norm(h)] (2H, vLLM's order).
     Their token half depends only on the token's index, the same at every TTT step (step k
-    reads the tokens k..k+S-1): `token_projections` runs it once for the whole chain, and
-    `project` adds only the hidden half at each step, the same sums in another order."""
+    reads the tokens k..k+S-1): it is projected once for the whole chain, and `project` adds
+    only the hidden half at each step, the same sums in another order."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -206,29 +126,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=False)
         self.rotary = Rotary(dim, config.rope_theta)
 
-    def qkv_weights(self) -> list[torch.Tensor]:
-        return [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)]
-
-    def token_projections(self, embeds: torch.Tensor, chain: StepWeights) -> list[torch.Tensor]:
-        """The token half of q, k, v for every index of the chain: embeds [B, L, H] (normed)."""
-        return [chain.linear(embeds, weight) for weight in self.qkv_weights()]
+    def split_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """q, k and v's weights as (token columns, hidden columns): split once per chain, so
+        autograd sums each half's gradient over the steps and writes each weight's once."""
+        halves = [
+            p.weight.split(self.hidden_size, dim=1) for p in (self.q_proj, self.k_proj, self.v_proj)
+        ]
+        return [token for token, _ in halves], [hidden for _, hidden in halves]
 
     def project(
         self,
         tokens: list[torch.Tensor],
         hidden: torch.Tensor,
+        hidden_weights: list[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        chain: StepWeights,
     ):
         """q [B, heads, S, D], k and v [B, heads, S, D] (kv heads repeated), rotated: the
-        token halves [B, S, ·] (this step's slice) plus the hidden half of hidden [B, S, H]."""
+        token halves [B, S, ·] (this step's slice) plus hidden [B, S, H] times the weights'
+        hidden columns."""
         B, S, _ = hidden.shape
-        H = self.hidden_size
-        q, k, v = (
-            t + chain.linear(hidden, w, start=H)
-            for t, w in zip(tokens, self.qkv_weights(), strict=True)
-        )
+        q, k, v = (t + F.linear(hidden, w) for t, w in zip(tokens, hidden_weights, strict=True))
         q = q.view(B, S, self.heads, self.dim).transpose(1, 2)
         k = k.view(B, S, self.kv_heads, self.dim).transpose(1, 2)
         v = v.view(B, S, self.kv_heads, self.dim).transpose(1, 2)
@@ -238,6 +156,114 @@ class Attention(nn.Module):
         return Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin), v
 
 
+def _causal_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(out, lse, kernel_state) of causal attention by the fused flash kernel, which creates
+    no S x S tensor and returns the log-sum-exp `_TTTAttention` merges with; kernel_state:
+    what its backward takes besides q, k, v, out and lse."""
+    if q.device.type == "cpu":  # float64, float32, bfloat16 and float16
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, scale=scale
+        )
+        return out, lse, ()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, True, False, scale=scale
+            )
+        )
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    raise ValueError(
+        f"TTT attention: no flash kernel for {q.dtype} on {q.device.type} "
+        "(CUDA needs float16 or bfloat16: train under autocast)"
+    )
+
+
+def _causal_flash_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kernel_state: tuple,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of the keys `_causal_flash` saw, for the softmax whose output and
+    log-sum-exp are `out` and `lse`: the kernel recomputes P = exp(s - lse) and
+    D = rowsum(grad * out) from them, so passing a wider softmax's gives that softmax's."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = kernel_state
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )
+
+
+class _TTTAttention(torch.autograd.Function):
+    """Attention over step 0's keys 0..i (causal, the flash kernel) and one extra key per
+    chain step at index i itself: the causal part's log-sum-exp merged with the k diagonal
+    scores, in float32 at least. Its backward runs the flash backward with the merged
+    output and log-sum-exp, and adds the diagonal keys' terms by hand. Saves and creates
+    only [B, heads, S, ·] tensors: memory linear in S."""
+
+    @staticmethod
+    def forward(ctx, scale: float, q: torch.Tensor, *keys_values: torch.Tensor):
+        base_k, base_v, *chain = keys_values
+        chain_k, chain_v = chain[: len(chain) // 2], chain[len(chain) // 2 :]
+        base_out, base_lse, kernel_state = _causal_flash(q, base_k, base_v, scale)
+        exact = base_lse.dtype  # float32, or float64 for float64 inputs
+        qx = q.to(exact)
+        diagonal = [(qx * ck.to(exact)).sum(-1) * scale for ck in chain_k]
+        lse = torch.stack([base_lse, *diagonal], dim=-1).logsumexp(-1)
+        mixed = (base_lse - lse).exp()[..., None] * base_out.to(exact)
+        for score, cv in zip(diagonal, chain_v, strict=True):
+            mixed = mixed + (score - lse).exp()[..., None] * cv.to(exact)
+        out = torch.empty_like(base_out).copy_(mixed)  # the layouts the kernel gave
+        lse = torch.empty_like(base_lse).copy_(lse)
+        ctx.save_for_backward(q, base_k, base_v, out, lse, *chain_k, *chain_v)
+        ctx.scale, ctx.kernel_state = scale, kernel_state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, base_k, base_v, out, lse, *chain = ctx.saved_tensors
+        chain_k, chain_v = chain[: len(chain) // 2], chain[len(chain) // 2 :]
+        scale = ctx.scale
+        dq, dk, dv = _causal_flash_backward(
+            grad, q, base_k, base_v, out, lse, ctx.kernel_state, scale
+        )
+        exact = lse.dtype
+        gx, qx = grad.to(exact), q.to(exact)
+        rowsum = (gx * out.to(exact)).sum(-1)  # D, as the kernel computed it
+        dq = dq.to(exact)
+        dchain_k, dchain_v = [], []
+        for ck, cv in zip(chain_k, chain_v, strict=True):
+            ckx = ck.to(exact)
+            p = ((qx * ckx).sum(-1) * scale - lse).exp()
+            dscore = p * ((gx * cv.to(exact)).sum(-1) - rowsum) * scale
+            dq = dq + dscore[..., None] * ckx
+            dchain_k.append((dscore[..., None] * qx).to(ck.dtype))
+            dchain_v.append((p[..., None] * gx).to(cv.dtype))
+        return None, dq.to(q.dtype), dk, dv, *dchain_k, *dchain_v
+
+
+def ttt_attention(
+    q: torch.Tensor,
+    base_keys: torch.Tensor,
+    base_values: torch.Tensor,
+    chain_keys: list[torch.Tensor],
+    chain_values: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Step k's attention, all [B, heads, S, D]: the query at index i over step 0's keys
+    0..i and the chain's keys of steps 1..k at index i (`chain_keys`, k of them)."""
+    return _TTTAttention.apply(scale, q, base_keys, base_values, *chain_keys, *chain_values)
+
+
 class MLP(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -245,10 +271,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, chain: StepWeights) -> torch.Tensor:
-        gate = chain.linear(x, self.gate_proj.weight)
-        up = chain.linear(x, self.up_proj.weight)
-        return chain.linear(F.silu(gate) * up, self.down_proj.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):
@@ -278,13 +302,23 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        # the target's, frozen and not part of the checkpoint (vLLM shares the target's); the
-        # caller's tensor itself, never a copy: 4.7 GB of fp32 at Kimi's vocab
-        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        # the target's, frozen: the caller's tensor itself on the caller's device (4.7 GB of
+        # fp32 at Kimi's vocab), not a buffer, so that neither the checkpoint (vLLM shares the
+        # target's), nor `.to()`, nor DistributedDataParallel's start copies it
+        self.embed_tokens = embed_tokens.detach()
 
-    def logits(self, pre: torch.Tensor, chain: StepWeights | None = None) -> torch.Tensor:
-        """Draft-vocab logits of `pre`; `chain`: the one `ttt` produced `pre` in."""
-        return (chain or StepWeights()).linear(self.norm(pre), self.lm_head.weight)
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        key_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Draft-vocab logits [B, S, draft vocab] of each of the `steps` TTT steps (`ttt`)."""
+        return [self.logits(pre) for pre in self.ttt(aux, input_ids, steps, key_mask)]
+
+    def logits(self, pre: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(pre))
 
     def ttt(
         self,
@@ -292,33 +326,29 @@ class Eagle3Drafter(nn.Module):
         input_ids: torch.Tensor,
         steps: int,
         key_mask: torch.Tensor | None = None,
-        chain: StepWeights | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test: the pre-norm outputs of `steps` chained draft steps, [B, S, H]
         each. Step 0 reads fc(aux) [B, S, aux_width] with tokens `input_ids[:, k : k + S]`
         (the caller passes S + steps - 1 ids: the token after each position and the steps'
         further tokens); step k reads step k-1's output at the same index, the token k
-        further on, at rope position index + k. Attention is vLLM's at inference: step k's query at
-        index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index i), so
-        the cost is one S x S score matrix plus S x k, never (S k) x (S k). `key_mask`
-        [B, S] hides padding keys; `chain` (new if None) multiplies by the weights every
-        step reads: pass the same one to `logits`."""
-        chain = StepWeights() if chain is None else chain
+        further on, at rope position index + k. Attention is vLLM's at inference: step k's
+        query at index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index
+        i), by `ttt_attention`: no S x S tensor, memory linear in S. `key_mask` [B, S] marks
+        the real positions, padding on the right (checked), where causality already hides it
+        from every real query (a padding query's output is finite and never supervised)."""
         layer = self.midlayer
         attention = layer.self_attn
         B, S = aux.shape[:2]
         length = S + steps - 1  # the token indices the chain reads, all steps together
-        token_parts = attention.token_projections(
-            layer.input_layernorm(self.embed_tokens[input_ids[:, :length]]), chain
-        )
+        token_weights, hidden_weights = attention.split_weights()
+        embeds = layer.input_layernorm(self.embed_tokens[input_ids[:, :length]])
+        token_parts = [F.linear(embeds, weight) for weight in token_weights]
         cos, sin = attention.rotary.table(length)
         hidden = self.fc(aux)
-        causal = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()
-        if key_mask is None:
-            visible = causal
-        else:  # a padding query still sees itself: no all -inf row, no NaN
-            own = torch.eye(S, dtype=torch.bool, device=aux.device)
-            visible = causal & (key_mask[:, None, None, :].bool() | own)
+        if key_mask is not None:
+            real = key_mask.bool()
+            if bool((real[:, 1:] & ~real[:, :-1]).any()):  # a real key after a padding one
+                raise ValueError("key_mask: padding must be on the right of each row")
         scale = attention.dim**-0.5
         chain_keys: list[torch.Tensor] = []
         chain_values: list[torch.Tensor] = []
@@ -326,25 +356,19 @@ class Eagle3Drafter(nn.Module):
         for k in range(steps):
             normed = layer.hidden_norm(hidden)
             tokens = [part[:, k : k + S] for part in token_parts]
-            q, key, value = attention.project(tokens, normed, cos[k : k + S], sin[k : k + S], chain)
+            q, key, value = attention.project(
+                tokens, normed, hidden_weights, cos[k : k + S], sin[k : k + S]
+            )
             if k == 0:
                 base_keys, base_values = key, value
             else:
                 chain_keys.append(key)
                 chain_values.append(value)
-            # [B, heads, S, S] over step 0's keys, then [B, heads, S, k] over the chain
-            scores = (q @ base_keys.transpose(-1, -2)) * scale
-            scores = scores.masked_fill(~visible, float("-inf"))
-            diagonal = [(q * ck).sum(-1, keepdim=True) * scale for ck in chain_keys]
-            weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1).float(), dim=-1)
-            weights = weights.to(value.dtype)
-            mixed = weights[..., :S] @ base_values
-            for j, cv in enumerate(chain_values):
-                mixed = mixed + weights[..., S + j : S + j + 1] * cv
+            mixed = ttt_attention(q, base_keys, base_values, chain_keys, chain_values, scale)
             mixed = mixed.transpose(1, 2).reshape(B, S, -1)
             residual = normed if layer.norm_before_residual else hidden
-            residual = chain.linear(mixed, attention.o_proj.weight) + residual
-            pre = layer.mlp(layer.post_attention_layernorm(residual), chain) + residual
+            residual = attention.o_proj(mixed) + residual
+            pre = layer.mlp(layer.post_attention_layernorm(residual)) + residual
             outputs.append(pre)
             hidden = pre
         return outputs

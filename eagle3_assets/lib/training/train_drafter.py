@@ -58,7 +58,6 @@ from eagle3_assets.lib.hidden_states.streaming import (
 from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, scratch_config
 from eagle3_assets.lib.training.settings import DEFAULTS
 from eagle3_assets.lib.training.ttt import (
-    Batch,
     TargetHead,
     cosine_with_warmup,
     derive_vocab_maps,
@@ -339,33 +338,16 @@ class _StopFlag:
             signal.signal(signum, handler)
 
 
-class _TTTObjective(torch.nn.Module):
-    """The TTT loss as a module's forward: DistributedDataParallel hooks a module's forward,
-    and the drafter has none (only `ttt` and `logits`)."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float) -> None:
-        super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
-
-    def forward(
-        self, batch: Batch
-    ) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
-        return ttt_loss(self.drafter, batch, self.steps, self.decay)
-
-
-def training_objective(model: Eagle3Drafter, config: RunConfig, world: int) -> torch.nn.Module:
-    """The loss to back-propagate: on one rank the bare objective (bit-identical to calling
-    ttt_loss), on several wrapped in DistributedDataParallel, whose gradients come out of
-    backward averaged over the ranks. The buffers (vocab maps, the target's embedding, GBs for
-    a large target) are built alike on every rank and never trained: DDP neither broadcasts
-    them at the start nor before every forward. Gradients live in DDP's buckets (no copy)."""
-    objective = _TTTObjective(model, config.ttt_length, config.decay)
+def training_objective(model: Eagle3Drafter, world: int) -> torch.nn.Module:
+    """The module `ttt_loss` runs: the drafter on one rank, on several the drafter in
+    DistributedDataParallel, whose gradients come out of backward averaged over the ranks,
+    bucket by bucket (no copy). Its buffers (the vocab maps) are built alike on every rank
+    and never trained: not broadcast before every forward."""
     if world == 1:
-        return objective
-    parallel = torch.nn.parallel.DistributedDataParallel
-    buffers = [name for name, _ in objective.named_buffers()]
-    parallel._set_params_and_buffers_to_ignore_for_model(objective, buffers)
-    return parallel(objective, gradient_as_bucket_view=True)
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model, broadcast_buffers=False, gradient_as_bucket_view=True
+    )
 
 
 def train(
@@ -395,7 +377,7 @@ def train(
     progress = _resume(out_dir, rank, model, optimizer, schedule) or Progress()
     record = ConsumptionRecord(out_dir, rank, progress.step)
     samples = _samples(reader, progress)
-    objective = training_objective(model, config, world)
+    objective = training_objective(model, world)
     stop = _StopFlag()
     producer = _start_producer(config, progress, rank, world, out_dir)
     started = time.monotonic()
@@ -404,8 +386,10 @@ def train(
             consumed = [next(samples) for _ in range(config.batch_size)]
             batch_samples = [sample for _, sample in consumed]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length, columns)
-            with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                loss, losses, hits, counts, _ = objective(batch)
+            with mixed_precision(device):
+                loss, losses, hits, counts, _ = ttt_loss(
+                    objective, batch, config.ttt_length, config.decay
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             losses = [float(loss.detach()), *losses]
@@ -474,6 +458,12 @@ def train(
     )
 
 
+def mixed_precision(device: torch.device) -> torch.autocast:
+    """bf16 autocast on GPUs, where TTT attention's flash kernel takes no fp32; fp32 on the
+    CPU. For training and for every measurement of a drafter alike."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+
 @torch.no_grad()
 def open_heldout(
     drafter: Path,
@@ -525,7 +515,8 @@ def heldout_accuracy(
     samples = reader.samples()  # streamed: held-out states of a big target do not fit in RAM
     while chunk := list(itertools.islice(samples, batch_size)):
         batch = make_batch(chunk, head, model.t2d, ttt_length, columns)
-        _, _, batch_hits, batch_counts, losses = ttt_loss(model, batch, ttt_length, decay=1.0)
+        with mixed_precision(model.lm_head.weight.device):
+            _, _, batch_hits, batch_counts, losses = ttt_loss(model, batch, ttt_length, 1.0)
         hits = [a + b for a, b in zip(hits, batch_hits, strict=True)]
         counts = [a + b for a, b in zip(counts, batch_counts, strict=True)]
         sample_loss += losses

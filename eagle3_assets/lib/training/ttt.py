@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from eagle3_assets.lib.core.target import target_config
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample
-from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter, StepWeights
+from eagle3_assets.lib.training.eagle3_model import Eagle3Drafter
 
 TEACHER_CHUNK = 512  # positions per lm_head chunk: bounds memory for a 164K-token vocab
 
@@ -156,21 +156,23 @@ def make_batch(
 
 
 def ttt_loss(
-    model: Eagle3Drafter, batch: Batch, steps: int, decay: float
+    model: Eagle3Drafter | torch.nn.Module, batch: Batch, steps: int, decay: float
 ) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
     """(weighted loss, per-step loss, per-step hits, per-step supervised positions, step-0
     loss of each sample that step 0 supervises) for one batch: hits and counts, not their
     ratio, so that ranks and batches add up exactly; the per-sample losses for the layer
-    probe (a mean by sample, and which samples a per-sample gradient is taken on)."""
-    chain = StepWeights()
-    outputs = model.ttt(batch.aux, batch.input_ids, steps, batch.key_mask, chain)
+    probe (a mean by sample, and which samples a per-sample gradient is taken on). `model`:
+    the drafter, or the drafter in DistributedDataParallel."""
+    step_logits = model(batch.aux, batch.input_ids, steps, batch.key_mask)
     S = batch.aux.shape[1]
     total = torch.zeros((), device=batch.aux.device)
     losses, hits, counts, first_samples = [], [], [], []
-    for k, pre in enumerate(outputs):
+    for k in range(steps):
         target = batch.targets[:, 1 + k : 1 + k + S]
         mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
-        log_probs = F.log_softmax(model.logits(pre, chain).float(), dim=-1)
+        # the float32 log-probabilities are what backward keeps: drop the step's logits
+        log_probs = F.log_softmax(step_logits[k].float(), dim=-1)
+        step_logits[k] = None
         per_position = -(target * log_probs).sum(-1)
         supervised = mask.sum(-1)
         has = supervised > 0
