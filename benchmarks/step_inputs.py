@@ -39,7 +39,13 @@ DEMO = StepShape("demo drafter", 256, 4, 4, 64, 512, 2048, 1024, 128, 7, True)
 # 32,768, not 163,840: it sizes only the frozen embedding and the teacher's lm_head (the
 # same for every trainer), and a full one would not leave room for the step on 24 GB.
 KIMI = StepShape("Kimi-K2 drafter layer", 7168, 64, 64, 128, 18432, 32768, 32000, 64, 7, False)
-SHAPES = {"demo": DEMO, "kimi": KIMI}
+# At the lengths the user trains on: a narrower layer (hidden 1024, 8 x 128 heads, as
+# docs/benchmarks.md's chained-weights measurement), where attention is a real share of a step
+LONG = {
+    f"s{n}": StepShape(f"{n}-token sample", 1024, 8, 8, 128, 2816, 32768, 8000, n, 7, True)
+    for n in (1024, 2048)
+}
+SHAPES = {"demo": DEMO, "kimi": KIMI, **LONG}
 
 
 def step_inputs(shape: StepShape, seed: int) -> dict[str, torch.Tensor]:

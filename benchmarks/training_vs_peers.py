@@ -21,6 +21,7 @@ the loss of every TTT step and the weight gradients compared (`agreement`).
 
     make bench-peers           # creates .venv-peers, then runs this (19 min, ~16 GB RAM)
     .venv/bin/python benchmarks/training_vs_peers.py --shapes demo --rounds 1   # ~1 min
+    .venv/bin/python benchmarks/training_vs_peers.py --shapes s1024 s2048 --rounds 2   # ~25 min
 
 Drafter quality from the same data: benchmarks/drafter_quality_vs_peers.py. Not measured:
 GPU bf16 and MFU (no GPU was lent to the task that wrote this).
@@ -51,7 +52,7 @@ TRAINERS = ("ours", "specforge", "speculators", "speculators-ttt3")
 GOAL_PEERS = ("specforge", "speculators")  # at the shape's TTT 7, as ours; the goals' peers
 RANKS_2 = "ours, 2 gloo ranks"  # 1 thread each: the same 2 cores as one rank's 2 threads
 RANKS_SHAPES = ("demo",)  # two Kimi-shaped steps (13 GB each) do not fit in 24 GB
-STEPS = {"demo": 40, "kimi": 1}  # timed steps per process, after one warm-up step
+STEPS = {"demo": 40, "kimi": 1, "s1024": 3, "s2048": 2}  # timed, after one warm-up step
 
 
 def our_parts(shape: StepShape, inputs: dict[str, torch.Tensor]):

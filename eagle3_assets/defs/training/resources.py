@@ -16,6 +16,8 @@ class TrainingRecipe(dg.ConfigurableResource, TrainingSettings, EnvSettings):
     env = {
         "steps": "EAGLE3_TRAIN_STEPS",
         "batch_size": "EAGLE3_TRAIN_BATCH_SIZE",
+        "tokens_per_rank": "EAGLE3_TRAIN_TOKENS_PER_RANK",
+        "activation_checkpointing": "EAGLE3_TRAIN_ACTIVATION_CHECKPOINTING",
         "lr": "EAGLE3_TRAIN_LR",
         "ttt_length": "EAGLE3_TTT_LENGTH",
         "checkpoint_every": "EAGLE3_TRAIN_CHECKPOINT_EVERY",

@@ -17,6 +17,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -60,6 +61,7 @@ class ShardReader:
             raise ValueError("no hidden-state batches to read")
         self.layer_ids: dict = layer_ids
         self._files: OrderedDict[Path, ShardFile] = OrderedDict()
+        self._orders: dict[int, list[tuple[int, int]]] = {}
 
     def __len__(self) -> int:
         """Samples per rank per epoch."""
@@ -67,10 +69,18 @@ class ShardReader:
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's (shard, sample) indices for `epoch`, in reading order."""
-        chosen = [indices for _, indices in self.shards]
-        return epoch_order(
-            chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
-        )
+        if epoch not in self._orders:  # the last epoch's, kept: read once per step
+            chosen = [indices for _, indices in self.shards]
+            order = epoch_order(
+                chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
+            )
+            self._orders = {epoch: order}
+        return self._orders[epoch]
+
+    def length(self, shard: int, index: int) -> int:
+        """A sample's token count, from its shard's offsets (no states read)."""
+        offsets = self._file(self.shards[shard][0]).token_offsets
+        return offsets[index + 1] - offsets[index]
 
     def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
         """This rank's samples of `epoch`, from its `start`-th on."""
@@ -122,6 +132,48 @@ def epoch_order(
             shuffled.append(buffer.pop(rng.randrange(len(buffer))))
     rng.shuffle(buffer)
     return shuffled + buffer
+
+
+class SampleSource(Protocol):
+    """What step sizing reads of a ShardReader or a streamed run's samples."""
+
+    def __len__(self) -> int: ...
+    def order(self, epoch: int) -> list[tuple[int, int]]: ...
+    def length(self, shard: int, index: int) -> int: ...
+
+
+def step_samples(
+    source: SampleSource, epoch: int, position: int, batch_size: int, tokens: int | None
+) -> int:
+    """How many samples a rank's step takes from (epoch, position) on, epochs rolling over:
+    up to `batch_size`, and with `tokens` no more than fit that many padded tokens (count x
+    the longest), at least one (`longest_sample` checks it fits). The one rule, for the
+    trainer and for the streamed producer that extracts ahead of it."""
+    count, longest = 0, 0
+    while count < batch_size:
+        if position >= len(source):
+            epoch, position = epoch + 1, 0
+        shard, index = source.order(epoch)[position]
+        longer = max(longest, _fitting(source.length(shard, index), tokens))
+        if tokens is not None and (count + 1) * longer > tokens:
+            break
+        count, longest, position = count + 1, longer, position + 1
+    return count
+
+
+def longest_sample(source: SampleSource, tokens: int | None) -> int:
+    """The longest of the first epoch's samples, checked against `tokens` before training
+    starts (a later epoch's tail is checked when a step meets it)."""
+    return max(_fitting(source.length(shard, index), tokens) for shard, index in source.order(0))
+
+
+def _fitting(length: int, tokens: int | None) -> int:
+    if tokens is not None and length > tokens:
+        raise ValueError(
+            f"tokens_per_rank (EAGLE3_TRAIN_TOKENS_PER_RANK): expected at least the longest "
+            f"sample's {length} tokens, found {tokens}; raise it or lower EAGLE3_MAX_LENGTH"
+        )
+    return length
 
 
 def trained_on(fraction: float, exclude: Collection[str] = ()) -> Callable[[str], bool]:

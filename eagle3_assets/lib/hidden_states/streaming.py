@@ -42,7 +42,7 @@ from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, encode_states, plan_shards
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile, shard_bytes
-from eagle3_assets.lib.hidden_states.shard_reader import epoch_order, trained_on
+from eagle3_assets.lib.hidden_states.shard_reader import epoch_order, step_samples, trained_on
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 FAILED = "FAILED"
@@ -240,17 +240,24 @@ class StreamedSamples:
                     self.shards.append(members)
                     self.chosen.append(chosen)
         self.waited_s = 0.0
+        self._orders: dict[int, list[tuple[int, int]]] = {}
 
     def __len__(self) -> int:
         return sum(len(chosen) for chosen in self.chosen) // self.world_size
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
-        return epoch_order(
-            self.chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
-        )
+        if epoch not in self._orders:  # the last epoch's, kept: read once per step
+            order = epoch_order(
+                self.chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
+            )
+            self._orders = {epoch: order}
+        return self._orders[epoch]
 
     def sequence(self, shard: int, index: int) -> TokenSequence:
         return self.shards[shard][index]
+
+    def length(self, shard: int, index: int) -> int:
+        return len(self.shards[shard][index])
 
     def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
         for position in range(start, len(self)):
@@ -282,28 +289,31 @@ class ProducerRun:
     steps: int  # steps still to train
     starts: list[list[int]]  # per rank: [epoch, position]
     exclude_samples: list[str] = field(default_factory=list)  # as RunConfig's
+    tokens_per_rank: int | None = None  # as RunConfig's
 
 
 def schedule(
-    readers: Sequence[StreamedSamples], starts: Sequence[Sequence[int]], steps: int, batch_size: int
+    readers: Sequence[StreamedSamples],
+    starts: Sequence[Sequence[int]],
+    steps: int,
+    batch_size: int,
+    tokens_per_rank: int | None = None,
 ) -> Iterator[list[tuple[str, TokenSequence]]]:
     """Per training step, the (spool name, sequence) of every sample each rank takes, rank by
-    rank: the order the producer writes in. Epochs roll over as `train` rolls them."""
+    rank: the order the producer writes in, each rank's share sized by the trainer's rule
+    (`step_samples`). Epochs roll over as `train` rolls them."""
     cursors = [list(start) for start in starts]
-    orders: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for _ in range(steps):
         step = []
         for rank, reader in enumerate(readers):
-            for _ in range(batch_size):
-                epoch, position = cursors[rank]
+            epoch, position = cursors[rank]
+            for _ in range(step_samples(reader, epoch, position, batch_size, tokens_per_rank)):
                 if position >= len(reader):
                     epoch, position = epoch + 1, 0
-                if (rank, epoch) not in orders:
-                    orders = {k: v for k, v in orders.items() if k[0] != rank}
-                    orders[(rank, epoch)] = reader.order(epoch)
-                shard, index = orders[(rank, epoch)][position]
+                shard, index = reader.order(epoch)[position]
                 step.append((Spool.name(rank, epoch, position), reader.sequence(shard, index)))
-                cursors[rank] = [epoch, position + 1]
+                position += 1
+            cursors[rank] = [epoch, position]
         yield step
 
 
@@ -339,7 +349,7 @@ def produce(run: ProducerRun, log: Callable[[str], None] = print) -> dict:
         log,
     )
     with backend as source:
-        for step in schedule(readers, run.starts, run.steps, run.batch_size):
+        for step in schedule(readers, run.starts, run.steps, run.batch_size, run.tokens_per_rank):
             sequences = [sequence for _, sequence in step]
             payloads: list[bytes] = [b""] * len(step)
             for index, states in source.capture(sequences, extraction.batch_tokens):

@@ -18,11 +18,15 @@ position further on). State-dict names are vLLM's and SpecForge's: `fc.weight`, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -255,8 +259,8 @@ def ttt_attention(
     q: torch.Tensor,
     base_keys: torch.Tensor,
     base_values: torch.Tensor,
-    chain_keys: list[torch.Tensor],
-    chain_values: list[torch.Tensor],
+    chain_keys: Sequence[torch.Tensor],
+    chain_values: Sequence[torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
     """Step k's attention, all [B, heads, S, D]: the query at index i over step 0's keys
@@ -306,6 +310,7 @@ class Eagle3Drafter(nn.Module):
         # fp32 at Kimi's vocab), not a buffer, so that neither the checkpoint (vLLM shares the
         # target's), nor `.to()`, nor DistributedDataParallel's start copies it
         self.embed_tokens = embed_tokens.detach()
+        self.checkpoint_steps = False  # recompute each TTT step in backward (`ttt`)
 
     def forward(
         self,
@@ -313,9 +318,17 @@ class Eagle3Drafter(nn.Module):
         input_ids: torch.Tensor,
         steps: int,
         key_mask: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
-        """Draft-vocab logits [B, S, draft vocab] of each of the `steps` TTT steps (`ttt`)."""
-        return [self.logits(pre) for pre in self.ttt(aux, input_ids, steps, key_mask)]
+        readout: Callable[[int, torch.Tensor], Any] | None = None,
+    ) -> list:
+        """Per TTT step k, `readout(k, logits)` of its draft-vocab logits [B, S, draft vocab]
+        (`ttt`), or the logits themselves. Training reads its loss out inside the step, so
+        that `checkpoint_steps` can recompute the logits with the layer."""
+
+        def head(k: int, pre: torch.Tensor) -> Any:
+            logits = self.logits(pre)
+            return logits if readout is None else readout(k, logits)
+
+        return self.ttt(aux, input_ids, steps, key_mask, head)
 
     def logits(self, pre: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(pre))
@@ -326,49 +339,73 @@ class Eagle3Drafter(nn.Module):
         input_ids: torch.Tensor,
         steps: int,
         key_mask: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
-        """Training-time test: the pre-norm outputs of `steps` chained draft steps, [B, S, H]
-        each. Step 0 reads fc(aux) [B, S, aux_width] with tokens `input_ids[:, k : k + S]`
-        (the caller passes S + steps - 1 ids: the token after each position and the steps'
-        further tokens); step k reads step k-1's output at the same index, the token k
-        further on, at rope position index + k. Attention is vLLM's at inference: step k's
-        query at index i sees step 0's keys 0..i and its own chain's keys of steps 1..k (index
-        i), by `ttt_attention`: no S x S tensor, memory linear in S. `key_mask` [B, S] marks
-        the real positions, padding on the right (checked), where causality already hides it
-        from every real query (a padding query's output is finite and never supervised)."""
-        layer = self.midlayer
-        attention = layer.self_attn
-        B, S = aux.shape[:2]
+        readout: Callable[[int, torch.Tensor], Any] | None = None,
+    ) -> list:
+        """Training-time test: per chained draft step k, `readout(k, pre)` of its pre-norm
+        output [B, S, H] (None: `pre` itself). Step 0 reads fc(aux) [B, S, aux_width] with
+        tokens `input_ids[:, k : k + S]` (the caller passes S + steps - 1 ids: the token after
+        each position and the steps' further tokens); step k reads step k-1's output at the
+        same index, the token k further on, at rope position index + k. Attention is vLLM's at
+        inference: step k's query at index i sees step 0's keys 0..i and its own chain's keys
+        of steps 1..k (index i), by `ttt_attention`: no S x S tensor, memory linear in S.
+        `key_mask` [B, S] marks the real positions, padding on the right (checked), where
+        causality already hides it from every real query (a padding query's output is finite
+        and never supervised). With `checkpoint_steps`, backward recomputes each step (layer
+        and readout) from its input: a step keeps only that input, its keys and values and
+        what the readout returns."""
+        attention = self.midlayer.self_attn
+        S = aux.shape[1]
         length = S + steps - 1  # the token indices the chain reads, all steps together
         token_weights, hidden_weights = attention.split_weights()
-        embeds = layer.input_layernorm(self.embed_tokens[input_ids[:, :length]])
+        embeds = self.midlayer.input_layernorm(self.embed_tokens[input_ids[:, :length]])
         token_parts = [F.linear(embeds, weight) for weight in token_weights]
         cos, sin = attention.rotary.table(length)
-        hidden = self.fc(aux)
         if key_mask is not None:
             real = key_mask.bool()
             if bool((real[:, 1:] & ~real[:, :-1]).any()):  # a real key after a padding one
                 raise ValueError("key_mask: padding must be on the right of each row")
-        scale = attention.dim**-0.5
-        chain_keys: list[torch.Tensor] = []
-        chain_values: list[torch.Tensor] = []
-        outputs = []
+        hidden = self.fc(aux)
+        keys: tuple[torch.Tensor, ...] = ()  # tuples: a recomputed step sees what it saw
+        values: tuple[torch.Tensor, ...] = ()
+        results = []
         for k in range(steps):
-            normed = layer.hidden_norm(hidden)
             tokens = [part[:, k : k + S] for part in token_parts]
-            q, key, value = attention.project(
-                tokens, normed, hidden_weights, cos[k : k + S], sin[k : k + S]
+            step = partial(
+                self._step, tokens, hidden_weights, cos[k : k + S], sin[k : k + S], readout
             )
-            if k == 0:
-                base_keys, base_values = key, value
+            if self.checkpoint_steps and torch.is_grad_enabled():
+                hidden, key, value, result = checkpoint(
+                    step, k, hidden, keys, values, use_reentrant=False
+                )
             else:
-                chain_keys.append(key)
-                chain_values.append(value)
-            mixed = ttt_attention(q, base_keys, base_values, chain_keys, chain_values, scale)
-            mixed = mixed.transpose(1, 2).reshape(B, S, -1)
-            residual = normed if layer.norm_before_residual else hidden
-            residual = attention.o_proj(mixed) + residual
-            pre = layer.mlp(layer.post_attention_layernorm(residual)) + residual
-            outputs.append(pre)
-            hidden = pre
-        return outputs
+                hidden, key, value, result = step(k, hidden, keys, values)
+            keys, values = (*keys, key), (*values, value)
+            results.append(result)
+        return results
+
+    def _step(
+        self,
+        tokens: list[torch.Tensor],
+        hidden_weights: list[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        readout: Callable[[int, torch.Tensor], Any] | None,
+        k: int,
+        hidden: torch.Tensor,
+        keys: tuple[torch.Tensor, ...],
+        values: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """TTT step k: (pre, its keys, its values, readout(k, pre)); `keys` and `values`:
+        the earlier steps'."""
+        layer = self.midlayer
+        attention = layer.self_attn
+        B, S, _ = hidden.shape
+        normed = layer.hidden_norm(hidden)
+        q, key, value = attention.project(tokens, normed, hidden_weights, cos, sin)
+        keys, values = (*keys, key), (*values, value)
+        mixed = ttt_attention(q, keys[0], values[0], keys[1:], values[1:], attention.dim**-0.5)
+        mixed = mixed.transpose(1, 2).reshape(B, S, -1)
+        residual = normed if layer.norm_before_residual else hidden
+        residual = attention.o_proj(mixed) + residual
+        pre = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+        return pre, key, value, pre if readout is None else readout(k, pre)

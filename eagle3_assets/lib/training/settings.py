@@ -8,7 +8,12 @@ from pydantic import BaseModel, Field
 
 class TrainingSettings(BaseModel):
     steps: int = Field(1000, ge=1)
-    batch_size: int = Field(4, ge=1)  # samples per rank per step
+    batch_size: int = Field(4, ge=1)  # samples per rank per step, at most
+    # padded tokens (samples x longest sample) per rank per step, at most: memory is bounded
+    # by tokens, not samples (lib/training/memory.py); None: batch_size alone
+    tokens_per_rank: int | None = Field(None, ge=1)
+    # backward recomputes each TTT step from its input: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False
     lr: float = Field(2e-5, gt=0)
     ttt_length: int = Field(7, ge=1)
     warmup_ratio: float = Field(0.015, ge=0, lt=1)

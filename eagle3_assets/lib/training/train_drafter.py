@@ -46,7 +46,12 @@ from eagle3_assets.lib.core.layer_ids import fc_order
 from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.extract import read_manifest
-from eagle3_assets.lib.hidden_states.shard_reader import ShardReader, trained_on
+from eagle3_assets.lib.hidden_states.shard_reader import (
+    ShardReader,
+    longest_sample,
+    step_samples,
+    trained_on,
+)
 from eagle3_assets.lib.hidden_states.streaming import (
     Producer,
     ProducerFailed,
@@ -63,6 +68,7 @@ from eagle3_assets.lib.training.ttt import (
     derive_vocab_maps,
     make_batch,
     remap_lm_head,
+    supervised_samples,
     ttt_loss,
 )
 
@@ -84,7 +90,9 @@ class RunConfig:
     target: str  # the target's folder: config.json and safetensors (norm, lm_head, embed)
     out_dir: str
     steps: int
-    batch_size: int = DEFAULTS.batch_size  # samples per rank per step
+    batch_size: int = DEFAULTS.batch_size  # samples per rank per step, at most
+    tokens_per_rank: int | None = DEFAULTS.tokens_per_rank  # padded tokens per rank per step
+    activation_checkpointing: bool = DEFAULTS.activation_checkpointing
     ttt_length: int = DEFAULTS.ttt_length
     decay: float = 0.8
     lr: float = DEFAULTS.lr
@@ -290,6 +298,7 @@ def _start_producer(
             batch_size=config.batch_size,
             steps=config.steps - progress.step,
             starts=starts,
+            tokens_per_rank=config.tokens_per_rank,
         )
         producer = Producer(run, out_dir / "producer-run.json")
     if world > 1:
@@ -361,6 +370,8 @@ def train(
     model, aux_ids = _drafter(config, head, reader)
     columns = aux_columns(reader, aux_ids, config.warm_start or "scratch")
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
+    model.checkpoint_steps = config.activation_checkpointing
+    longest_sample(reader, config.tokens_per_rank)  # a sample over the budget fails now
     if len(reader) < config.batch_size:
         raise ValueError(
             f"{len(reader)} samples per rank, fewer than batch_size {config.batch_size}"
@@ -383,25 +394,38 @@ def train(
     started = time.monotonic()
     try:
         while progress.step < config.steps:
-            consumed = [next(samples) for _ in range(config.batch_size)]
+            count = step_samples(
+                reader, progress.epoch, progress.position, config.batch_size, config.tokens_per_rank
+            )
+            consumed = [next(samples) for _ in range(count)]
             batch_samples = [sample for _, sample in consumed]
             batch = make_batch(batch_samples, head, model.t2d, config.ttt_length, columns)
+            divisors = None  # one rank: each step's mean over its samples
+            if world > 1:  # ranks may hold unequal counts: divide by the total / world
+                totals = torch.tensor(supervised_samples(batch, config.ttt_length), device=device)
+                dist.all_reduce(totals)
+                divisors = [total / world for total in totals.tolist()]
             with mixed_precision(device):
                 loss, losses, hits, counts, _ = ttt_loss(
-                    objective, batch, config.ttt_length, config.decay
+                    objective, batch, config.ttt_length, config.decay, divisors
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             losses = [float(loss.detach()), *losses]
             tokens = sum(len(s.input_ids) for s in batch_samples)
-            if world > 1:  # losses: the mean of the ranks' means; hits, counts, tokens: sums
-                summed = torch.tensor([*losses, *hits, *counts, tokens], device=device)
+            sizes = [
+                len(batch_samples),
+                len(batch_samples) * max(len(s.input_ids) for s in batch_samples),
+            ]
+            if world > 1:  # losses: the mean of the ranks' (weighted) losses; the rest: sums
+                summed = torch.tensor([*losses, *hits, *counts, tokens, *sizes], device=device)
                 dist.all_reduce(summed)
                 summed = summed.tolist()
                 steps = config.ttt_length
                 losses = [value / world for value in summed[: 1 + steps]]
-                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps : -1]
-                tokens = int(summed[-1])  # each rank's own samples, not rank 0's times world
+                hits, counts = summed[1 + steps : 1 + 2 * steps], summed[1 + 2 * steps : -3]
+                tokens = int(summed[-3])  # each rank's own samples, not rank 0's times world
+                sizes = [int(size) for size in summed[-2:]]
             loss_value, losses = losses[0], losses[1:]
             accuracies = [h / max(c, 1) for h, c in zip(hits, counts, strict=True)]
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
@@ -419,6 +443,8 @@ def train(
                 "lr": schedule.get_last_lr()[0],
                 "tokens": progress.tokens,
                 "tokens_per_s": progress.tokens / (time.monotonic() - started),
+                "samples": sizes[0],  # this step's, over the ranks
+                "padded_tokens": sizes[1],
                 **(_stream_metrics(config, reader) if rank == 0 else {}),  # rank 0 reports
             }
             progress.history.append(metrics)

@@ -155,34 +155,62 @@ def make_batch(
     return batch
 
 
+def step_masks(batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Per TTT step k, [B, S]: the draft indices whose teacher position k further on is
+    supervised."""
+    S = batch.aux.shape[1]
+    return [batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask for k in range(steps)]
+
+
+def supervised_samples(batch: Batch, steps: int) -> list[int]:
+    """Per TTT step, how many of the batch's samples it supervises: what a step's loss
+    averages over, summed over the ranks before backward."""
+    return [int(mask.any(-1).sum()) for mask in step_masks(batch, steps)]
+
+
 def ttt_loss(
-    model: Eagle3Drafter | torch.nn.Module, batch: Batch, steps: int, decay: float
+    model: Eagle3Drafter | torch.nn.Module,
+    batch: Batch,
+    steps: int,
+    decay: float,
+    divisors: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, list[float], list[int], list[int], list[float]]:
     """(weighted loss, per-step loss, per-step hits, per-step supervised positions, step-0
     loss of each sample that step 0 supervises) for one batch: hits and counts, not their
     ratio, so that ranks and batches add up exactly; the per-sample losses for the layer
     probe (a mean by sample, and which samples a per-sample gradient is taken on). `model`:
-    the drafter, or the drafter in DistributedDataParallel."""
-    step_logits = model(batch.aux, batch.input_ids, steps, batch.key_mask)
-    S = batch.aux.shape[1]
+    the drafter, or the drafter in DistributedDataParallel. Step k's loss is the sum of its
+    samples' losses over `divisors[k]` (None: this batch's count, a mean): ranks whose batches
+    hold unequal numbers of samples pass the total over the ranks / world size, so that
+    DistributedDataParallel's mean of their gradients is the one-process gradient."""
+    masks = step_masks(batch, steps)
+
+    def readout(k: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside the step (recomputed with it when checkpointed): the per-position soft
+        cross-entropy [B, S] and hits; the float32 log-probabilities are what backward keeps."""
+        target = batch.targets[:, 1 + k : 1 + k + logits.shape[1]]
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        hits = (log_probs.argmax(-1) == target.argmax(-1)) & masks[k]
+        return -(target * log_probs).sum(-1), hits
+
+    results = model(batch.aux, batch.input_ids, steps, batch.key_mask, readout)
     total = torch.zeros((), device=batch.aux.device)
     losses, hits, counts, first_samples = [], [], [], []
-    for k in range(steps):
-        target = batch.targets[:, 1 + k : 1 + k + S]
-        mask = batch.supervised[:, 1 + k : 1 + k + S] & batch.key_mask
-        # the float32 log-probabilities are what backward keeps: drop the step's logits
-        log_probs = F.log_softmax(step_logits[k].float(), dim=-1)
-        step_logits[k] = None
-        per_position = -(target * log_probs).sum(-1)
+    for k, ((per_position, step_hits), mask) in enumerate(zip(results, masks, strict=True)):
         supervised = mask.sum(-1)
         has = supervised > 0
         per_sample = (per_position * mask).sum(-1)[has] / supervised[has]
-        step_loss = per_sample.mean() if len(per_sample) else per_position.sum() * 0.0
+        if divisors is not None:
+            step_loss = per_sample.sum() / (divisors[k] or 1)
+        elif len(per_sample):
+            step_loss = per_sample.mean()
+        else:  # zero, but in the graph: every rank's backward reaches every parameter
+            step_loss = per_position.sum() * 0.0
         if k == 0:
             first_samples = per_sample.detach().tolist()
         total = total + decay**k * step_loss
         losses.append(float(step_loss.detach()))
-        hits.append(int(((log_probs.argmax(-1) == target.argmax(-1)) & mask).sum()))
+        hits.append(int(step_hits.sum()))
         counts.append(int(mask.sum()))
     return total, losses, hits, counts, first_samples
 

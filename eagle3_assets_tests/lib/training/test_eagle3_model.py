@@ -14,6 +14,7 @@ from eagle3_assets.lib.training.eagle3_model import (
     DrafterConfig,
     Eagle3Drafter,
 )
+from eagle3_assets.lib.training.ttt import Batch, supervised_samples, ttt_loss
 
 CONFIG = DrafterConfig(
     hidden_size=32,
@@ -289,3 +290,80 @@ def test_padding_on_the_left_is_refused():
     mask = torch.tensor([[True] * 5, [False, False, True, True, True]])
     with pytest.raises(ValueError, match="key_mask: padding must be on the right"):
         model.ttt(aux, ids, 3, key_mask=mask)
+
+
+def synthetic_batch(lengths, S, steps, seed=5) -> Batch:
+    """Right-padded rows of `lengths` real positions out of S, random teachers, a few
+    positions unsupervised."""
+    generator = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    real = torch.arange(S) < torch.tensor(lengths)[:, None]
+    supervised = torch.rand(B, S + steps, generator=generator) > 0.2
+    supervised[:, :S] &= real
+    supervised[:, S:] = False
+    logits = torch.randn(B, S + steps, CONFIG.draft_vocab_size, generator=generator)
+    return Batch(
+        aux=torch.randn(B, S, 96, generator=generator, dtype=torch.float64),
+        input_ids=torch.randint(0, 50, (B, S + steps - 1), generator=generator),
+        key_mask=real,
+        targets=logits.double().softmax(-1),
+        supervised=supervised,
+    )
+
+
+def loss_and_grads(model, batch, steps, divisors=None, autocast=False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss, losses, hits, counts, _ = ttt_loss(model, batch, steps, 0.8, divisors)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return (float(loss), losses, hits, counts), grads
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_checkpointed_steps_give_the_same_loss_and_gradients(autocast):
+    """Backward recomputes each step (layer, logits, loss) under the forward's autocast:
+    the same numbers, bit for bit."""
+    dtype = torch.float32 if autocast else torch.float64
+    model, *_ = padded_chain(dtype, 3, [9], S=9)
+    batch = synthetic_batch([9, 6, 3], S=9, steps=3)
+    batch.aux, batch.targets = batch.aux.to(dtype), batch.targets.to(dtype)
+    plain, plain_grads = loss_and_grads(model, batch, 3, autocast=autocast)
+    model.checkpoint_steps = True
+    checkpointed, checkpointed_grads = loss_and_grads(model, batch, 3, autocast=autocast)
+    assert checkpointed == plain
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0, name
+        assert torch.equal(checkpointed_grads[name], grad), name
+
+
+def test_ranks_with_unequal_batches_average_to_the_one_process_gradient():
+    """A token budget gives ranks different sample counts: each step's loss divided by the
+    total over the ranks / world size makes the ranks' mean gradient the one of all their
+    samples in one batch (each rank padded only to its own longest)."""
+    steps, lengths = 3, [9, 4, 7]
+    model, *_ = padded_chain(torch.float64, steps, [9], S=9)
+    union = synthetic_batch(lengths, S=9, steps=steps)
+    (_, union_losses, union_hits, _), union_grads = loss_and_grads(model, union, steps)
+
+    def rows(picked, S):
+        cut = {"aux": S, "input_ids": S + steps - 1, "key_mask": S, "targets": S + steps}
+        fields = {name: getattr(union, name)[picked, : cut.get(name, S + steps)] for name in
+                  ("aux", "input_ids", "key_mask", "targets", "supervised")}  # fmt: skip
+        return Batch(**fields)
+
+    ranks = [rows([0], 9), rows([1, 2], 7)]
+    totals = [
+        sum(counts) for counts in zip(*(supervised_samples(r, steps) for r in ranks), strict=True)
+    ]
+    assert totals == supervised_samples(union, steps) and totals[0] == 3
+    divisors = [total / len(ranks) for total in totals]
+    results = [loss_and_grads(model, rank, steps, divisors) for rank in ranks]
+    for name, grad in union_grads.items():
+        mean = sum(grads[name] for _, grads in results) / len(ranks)
+        torch.testing.assert_close(mean, grad, rtol=0.0, atol=1e-12, msg=name)
+    reported = [
+        sum(values) / len(ranks) for values in zip(*(r[0][1] for r in results), strict=True)
+    ]
+    assert reported == pytest.approx(union_losses, rel=1e-12)  # the mean of the ranks' losses
+    assert [sum(hits) for hits in zip(*(r[0][2] for r in results), strict=True)] == union_hits

@@ -6,6 +6,7 @@ uninterrupted run's record and weights."""
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -202,6 +203,50 @@ def test_a_streamed_drafter_equals_the_stored_one_bit_for_bit(world, request, tm
     assert list(spool.iterdir()) == []
 
 
+def budget(stream_world: dict) -> int:
+    """Padded tokens per step that fit the longest sample alone and two up to the median."""
+    lengths = sorted(len(s) for s in stream_world["sequences"])
+    return max(lengths[-1], 2 * lengths[len(lengths) // 2])
+
+
+def test_a_token_budget_packs_each_step_greedily_streamed_as_stored(llama_stream, tmp_path):
+    """Each step takes samples in order while count x longest fits the budget (batch_size
+    caps the count); the producer sizes the steps it extracts ahead by the same rule."""
+    tokens = budget(llama_stream)
+    runs = {
+        mode: train(
+            config(llama_stream, tmp_path / mode, mode == "streamed", batch_size=3,
+                   tokens_per_rank=tokens)
+        )
+        for mode in ("stored", "streamed")
+    }  # fmt: skip
+    assert record(tmp_path / "streamed") == record(tmp_path / "stored")
+    weights, expected = (load_file(runs[m].export / "model.safetensors") for m in runs)
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    length = {s.sample_id: len(s) for s in llama_stream["sequences"]}
+    steps = [
+        [length[i] for _, i in step["samples"]]
+        for step in record(tmp_path / "stored")["rank-0.jsonl"]
+    ]
+    assert all(len(taken) * max(taken) <= tokens for taken in steps)
+    for taken, following in itertools.pairwise(steps):
+        if len(taken) < 3:  # the cap not reached: the next sample would not have fitted
+            assert (len(taken) + 1) * max([*taken, following[0]]) > tokens
+    sizes = {len(taken) for taken in steps}
+    assert min(sizes) == 1 and max(sizes) == 3  # the budget binds, and so does the cap
+    history = runs["stored"].history
+    assert [m["samples"] for m in history] == [len(taken) for taken in steps]
+    assert [m["padded_tokens"] for m in history] == [len(t) * max(t) for t in steps]
+
+
+def test_a_sample_longer_than_the_token_budget_fails_before_training(llama_stream, tmp_path):
+    longest = max(len(s) for s in llama_stream["sequences"])
+    run = config(llama_stream, tmp_path, False, tokens_per_rank=longest - 1)
+    with pytest.raises(ValueError, match=f"longest sample's {longest} tokens, found {longest - 1}"):
+        train(run)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_a_window_smaller_than_one_sample_is_refused_naming_both_sizes(llama_stream):
     sequences = llama_stream["sequences"]
     fmt = SETTINGS.extraction().format
@@ -241,9 +286,9 @@ def test_kill_9_at_random_points_then_resume_trains_each_sample_once(llama_strea
     stream_world = llama_stream
     """Two gloo ranks and the producer; kill -9 of one of them, or of the whole run, at a
     seeded random step, three times, each time started again as a re-materialization does."""
-    run = config(stream_world, tmp_path / "killed", streamed=True, steps=16, batch_size=2)
-    run = dataclasses.replace(run, checkpoint_every=3)
-    straight = config(stream_world, tmp_path / "straight", streamed=True, steps=16, batch_size=2)
+    sizes = {"steps": 16, "batch_size": 2, "tokens_per_rank": budget(stream_world)}
+    run = config(stream_world, tmp_path / "killed", streamed=True, checkpoint_every=3, **sizes)
+    straight = config(stream_world, tmp_path / "straight", streamed=True, **sizes)
     done = torchrun(straight, tmp_path / "straight.json", stderr=subprocess.PIPE)
     assert done.wait(timeout=600) == 0, done.stderr.read()[-3000:]
     rng = random.Random(7)
@@ -267,6 +312,10 @@ def test_kill_9_at_random_points_then_resume_trains_each_sample_once(llama_strea
     resumed = torchrun(run, tmp_path / "killed.json")
     assert resumed.wait(timeout=600) == 0
     assert record(tmp_path / "killed") == record(tmp_path / "straight")
+    counts = [
+        [len(step["samples"]) for step in rank] for rank in record(tmp_path / "straight").values()
+    ]
+    assert counts[0] != counts[1] and {*counts[0], *counts[1]} == {1, 2}  # unequal ranks
     weights = load_file(tmp_path / "killed" / "export" / "model.safetensors")
     expected = load_file(tmp_path / "straight" / "export" / "model.safetensors")
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
