@@ -62,6 +62,7 @@ class ShardReader:
         self.layer_ids: dict = layer_ids
         self._files: OrderedDict[Path, ShardFile] = OrderedDict()
         self._orders: dict[int, list[tuple[int, int]]] = {}
+        self._offsets: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         """Samples per rank per epoch."""
@@ -78,8 +79,11 @@ class ShardReader:
         return self._orders[epoch]
 
     def length(self, shard: int, index: int) -> int:
-        """A sample's token count, from its shard's offsets (no states read)."""
-        offsets = self._file(self.shards[shard][0]).token_offsets
+        """A sample's token count, from its shard's offsets (no states read), each shard's
+        read once: step sizing asks for every sample, in shuffled order."""
+        if shard not in self._offsets:
+            self._offsets[shard] = self._file(self.shards[shard][0]).token_offsets
+        offsets = self._offsets[shard]
         return offsets[index + 1] - offsets[index]
 
     def samples(self, epoch: int = 0, start: int = 0) -> Iterator[HiddenSample]:
@@ -147,7 +151,7 @@ def step_samples(
 ) -> int:
     """How many samples a rank's step takes from (epoch, position) on, epochs rolling over:
     up to `batch_size`, and with `tokens` no more than fit that many padded tokens (count x
-    the longest), at least one (`longest_sample` checks it fits). The one rule, for the
+    the longest), at least one (`check_budget` checks it fits). The one rule, for the
     trainer and for the streamed producer that extracts ahead of it."""
     count, longest = 0, 0
     while count < batch_size:
@@ -161,10 +165,12 @@ def step_samples(
     return count
 
 
-def longest_sample(source: SampleSource, tokens: int | None) -> int:
-    """The longest of the first epoch's samples, checked against `tokens` before training
-    starts (a later epoch's tail is checked when a step meets it)."""
-    return max(_fitting(source.length(shard, index), tokens) for shard, index in source.order(0))
+def check_budget(source: SampleSource, tokens: int | None) -> None:
+    """The first epoch's samples against `tokens`, before training starts (a later epoch's
+    tail is checked when a step meets it); nothing to read without a budget."""
+    if tokens is not None:
+        for shard, index in source.order(0):
+            _fitting(source.length(shard, index), tokens)
 
 
 def _fitting(length: int, tokens: int | None) -> int:

@@ -48,7 +48,7 @@ from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.extract import read_manifest
 from eagle3_assets.lib.hidden_states.shard_reader import (
     ShardReader,
-    longest_sample,
+    check_budget,
     step_samples,
     trained_on,
 )
@@ -371,7 +371,7 @@ def train(
     columns = aux_columns(reader, aux_ids, config.warm_start or "scratch")
     model.float().to(device)  # fp32 master weights; bf16 autocast on GPUs
     model.checkpoint_steps = config.activation_checkpointing
-    longest_sample(reader, config.tokens_per_rank)  # a sample over the budget fails now
+    check_budget(reader, config.tokens_per_rank)  # a sample over the budget fails now
     if len(reader) < config.batch_size:
         raise ValueError(
             f"{len(reader)} samples per rank, fewer than batch_size {config.batch_size}"
