@@ -22,12 +22,11 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from drafter_training import cpu_name
-from ttt_attention_memory import CHILD_ENV, kib
+from ttt_attention_memory import CHILD_ENV, peak_growth
 
 from eagle3_assets.lib.training.eagle3_model import DrafterConfig, Eagle3Drafter
 from eagle3_assets.lib.training.memory import (
@@ -98,15 +97,8 @@ def measure(config: DrafterConfig, batch: int, length: int, ttt: int, checkpoint
     step(1, 16)  # first-call setup of the kernels, outside the measurement
     if length == 0:
         return optimizer_growth(model)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM := VmRSS
-    before = kib("VmRSS")
-    started = time.perf_counter()
-    step(batch, length)
-    return {
-        "growth_bytes": (kib("VmHWM") - before) * 1024,
-        "seconds": time.perf_counter() - started,
-    }
+    growth, seconds = peak_growth(lambda: step(batch, length))
+    return {"growth_bytes": growth, "seconds": seconds}
 
 
 def optimizer_growth(model: Eagle3Drafter) -> dict:
@@ -115,12 +107,9 @@ def optimizer_growth(model: Eagle3Drafter) -> dict:
     for p in parameters:
         p.grad = torch.ones_like(p)
     optimizer = torch.optim.AdamW(parameters, lr=1e-4)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = kib("VmRSS")
-    optimizer.step()
+    growth, _ = peak_growth(optimizer.step)
     count = sum(p.numel() for p in parameters)
-    temporary = (kib("VmHWM") - before) * 1024 - 8 * count  # less the moments it keeps
+    temporary = growth - 8 * count  # less the moments it keeps
     return {"optimizer_bytes_per_parameter": temporary / count}
 
 

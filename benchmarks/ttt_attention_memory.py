@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +39,17 @@ POINTS = [
     (8, 2048, ("fused", "dense")),
     (8, 4096, ("fused", "dense")),
 ]
+
+
+def peak_growth(run: Callable[[], object]) -> tuple[int, float]:
+    """(peak RSS growth in bytes over the process before `run`, its wall seconds): VmHWM reset
+    to VmRSS through /proc/self/clear_refs first (run the child under CHILD_ENV)."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM := VmRSS
+    before = kib("VmRSS")
+    started = time.perf_counter()
+    run()
+    return (kib("VmHWM") - before) * 1024, time.perf_counter() - started
 
 
 def kib(field: str) -> int:
@@ -74,13 +86,8 @@ def measure(attention: str, heads: int, length: int) -> dict:
         model.zero_grad(set_to_none=True)
 
     step(16)  # first-call setup of the kernels, outside the measurement
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # VmHWM := VmRSS
-    before = kib("VmRSS")
-    started = time.perf_counter()
-    step(length)
-    seconds = time.perf_counter() - started
-    return {"peak_mib": (kib("VmHWM") - before) / 1024, "seconds_per_step": seconds / STEPS}
+    growth, seconds = peak_growth(lambda: step(length))
+    return {"peak_mib": growth / 2**20, "seconds_per_step": seconds / STEPS}
 
 
 def main() -> None:
