@@ -61,7 +61,7 @@ class ShardReader:
             raise ValueError("no hidden-state batches to read")
         self.layer_ids: dict = layer_ids
         self._files: OrderedDict[Path, ShardFile] = OrderedDict()
-        self._orders: dict[int, list[tuple[int, int]]] = {}
+        self._orders = EpochOrders(seed, rank, world_size, shuffle_buffer)
         self._offsets: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -70,13 +70,8 @@ class ShardReader:
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's (shard, sample) indices for `epoch`, in reading order."""
-        if epoch not in self._orders:  # the last epoch's, kept: read once per step
-            chosen = [indices for _, indices in self.shards]
-            order = epoch_order(
-                chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
-            )
-            self._orders = {epoch: order}
-        return self._orders[epoch]
+        chosen = [indices for _, indices in self.shards]
+        return self._orders(chosen, epoch)
 
     def length(self, shard: int, index: int) -> int:
         """A sample's token count, from its shard's offsets (no states read), each shard's
@@ -136,6 +131,20 @@ def epoch_order(
             shuffled.append(buffer.pop(rng.randrange(len(buffer))))
     rng.shuffle(buffer)
     return shuffled + buffer
+
+
+class EpochOrders:
+    """`epoch_order` for one rank, the last epoch's kept: step sizing asks for it every step."""
+
+    def __init__(self, seed: int, rank: int, world_size: int, shuffle_buffer: int) -> None:
+        self.args = (seed, rank, world_size, shuffle_buffer)
+        self.last: tuple[int, list[tuple[int, int]]] | None = None
+
+    def __call__(self, shards: Sequence[Sequence[int]], epoch: int) -> list[tuple[int, int]]:
+        if self.last is None or self.last[0] != epoch:
+            seed, rank, world_size, shuffle_buffer = self.args
+            self.last = (epoch, epoch_order(shards, seed, epoch, rank, world_size, shuffle_buffer))
+        return self.last[1]
 
 
 class SampleSource(Protocol):

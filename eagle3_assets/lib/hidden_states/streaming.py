@@ -42,7 +42,7 @@ from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, encode_states, plan_shards
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile, shard_bytes
-from eagle3_assets.lib.hidden_states.shard_reader import epoch_order, step_samples, trained_on
+from eagle3_assets.lib.hidden_states.shard_reader import EpochOrders, step_samples, trained_on
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 FAILED = "FAILED"
@@ -240,18 +240,13 @@ class StreamedSamples:
                     self.shards.append(members)
                     self.chosen.append(chosen)
         self.waited_s = 0.0
-        self._orders: dict[int, list[tuple[int, int]]] = {}
+        self._orders = EpochOrders(seed, rank, world_size, shuffle_buffer)
 
     def __len__(self) -> int:
         return sum(len(chosen) for chosen in self.chosen) // self.world_size
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
-        if epoch not in self._orders:  # the last epoch's, kept: read once per step
-            order = epoch_order(
-                self.chosen, self.seed, epoch, self.rank, self.world_size, self.shuffle_buffer
-            )
-            self._orders = {epoch: order}
-        return self._orders[epoch]
+        return self._orders(self.chosen, epoch)
 
     def sequence(self, shard: int, index: int) -> TokenSequence:
         return self.shards[shard][index]
