@@ -21,7 +21,7 @@ the loss of every TTT step and the weight gradients compared (`agreement`).
 
     make bench-peers           # creates .venv-peers, then runs this (19 min, ~16 GB RAM)
     .venv/bin/python benchmarks/training_vs_peers.py --shapes demo --rounds 1   # ~1 min
-    .venv/bin/python benchmarks/training_vs_peers.py --shapes s1024 s2048 --rounds 2   # ~25 min
+    .venv/bin/python benchmarks/training_vs_peers.py --shapes s1024 s2048 --rounds 2   # ~16 min
 
 Drafter quality from the same data: benchmarks/drafter_quality_vs_peers.py. Not measured:
 GPU bf16 and MFU (no GPU was lent to the task that wrote this).
