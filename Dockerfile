@@ -1,6 +1,7 @@
-# One image for the Dagster webserver, daemon and code location (the orchestration side).
-# vLLM is NOT in here: it keeps its own image/venv on the GPU node (requirements/serving-*.txt).
-# The three processes and Postgres: deploy/docker-compose.yaml; docs/deployment.md explains.
+# One image for the Dagster webserver, daemon and code location (the orchestration side), and
+# a `gpu` target for the code location on a GPU node, where runs extract, train and evaluate.
+# The three processes and Postgres: deploy/docker-compose.yaml (+ docker-compose.gpu.yaml on a
+# GPU node); docs/deployment.md explains.
 #   docker build -t eagle3-assets .
 #   webserver:     dagster-webserver -h 0.0.0.0 -p 3000 -w deploy/workspace-grpc.yaml
 #                  (publish it on the host's loopback only: -p 127.0.0.1:3000:3000)
@@ -9,7 +10,7 @@
 # Pinned: the base image by tag (pin its digest in your registry: PYTHON_IMAGE=python@sha256:...),
 # every Python package by deploy/constraints.txt (the whole resolved set, transitive included).
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS orchestration
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -26,11 +27,12 @@ RUN groupadd --gid 10001 dagster \
 
 WORKDIR /opt/dagster/app
 
-# Layer 1, torch: the biggest download, changes least. Training and extraction run on the GPU
-# node's own torch; this image imports the lib only, so it takes the CPU wheel.
+# Layer 1, torch: the biggest download, changes least. The CPU wheel by default (the webserver
+# and daemon only import the lib); the gpu target is built with a CUDA index, e.g.
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (docker-compose.gpu.yaml).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COPY deploy/constraints.txt deploy/constraints.txt
-RUN pip install --constraint deploy/constraints.txt \
-    --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+RUN pip install --constraint deploy/constraints.txt --index-url "${TORCH_INDEX}" torch==2.13.0
 
 # Layer 2, every other dependency, from pyproject.toml alone (a stub package stands in for the
 # code): survives code edits.
@@ -52,3 +54,18 @@ COPY --chown=10001:10001 dagster.yaml /opt/dagster/home/dagster.yaml
 USER 10001:10001
 EXPOSE 3000 4000
 CMD ["dagster-webserver", "-h", "0.0.0.0", "-p", "3000", "-w", "workspace.yaml"]
+
+# The code location on a GPU node: the runs it starts extract, train and evaluate there, so it
+# holds a CUDA torch (TORCH_INDEX) and the serving venv those steps start vLLM from, apart from
+# the project's packages (vLLM pins its own torch and CUDA stack).
+FROM orchestration AS gpu
+USER 0:0
+COPY requirements/serving-gpu.txt /opt/vllm/requirements.txt
+RUN python -m venv /opt/vllm \
+    && /opt/vllm/bin/pip install --no-cache-dir --requirement /opt/vllm/requirements.txt
+ENV EAGLE3_PLATFORM=cuda \
+    EAGLE3_SERVING_PYTHON=/opt/vllm/bin/python
+USER 10001:10001
+
+# The default target (the last stage): the orchestration image, CPU torch; what CI checks.
+FROM orchestration

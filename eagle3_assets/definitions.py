@@ -19,11 +19,12 @@ from eagle3_assets.defs.serving.rollout import maintenance_schedule
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
 from eagle3_assets.defs.training.sensors import drafter_automation
 from eagle3_assets.env_settings import EnvSettings
-from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets.resources import Compute, Storage, TargetModel
 
 RESOURCES = {
     "vllm": VLLMServer,
     "target": TargetModel,
+    "compute": Compute,
     "storage": Storage,
     "prompt_pool": PromptPool,
     "generation": GenerationRecipe,

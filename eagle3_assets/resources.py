@@ -1,4 +1,5 @@
-"""The resources every domain shares: the target model and the data volume. Each domain's own
+"""The resources every domain shares: the target model, the platform and the data volume. Each
+domain's own
 resources live in defs/<domain>/resources.py; definitions.py reads them all from the
 environment."""
 
@@ -8,6 +9,7 @@ from typing import Any
 import dagster as dg
 
 from eagle3_assets.env_settings import EnvSettings
+from eagle3_assets.lib.core.platform import DEFAULT_PLATFORM, Platform
 from eagle3_assets.lib.core.target import TargetShape
 
 
@@ -46,6 +48,16 @@ class TargetModel(dg.ConfigurableResource, EnvSettings):
                 f"{self.path}, which is code shipped with the target (auto_map), found it off; "
                 "set it only if you trust that code"
             ) from error
+
+
+class Compute(dg.ConfigurableResource, EnvSettings):
+    """Where extraction, training and evaluation run: chosen, never guessed (a CPU torch in the
+    orchestration image would otherwise train on the CPU of a GPU node). `cuda` fails a step
+    at once when its interpreter sees too few GPUs (lib/core/platform.py)."""
+
+    platform: Platform = DEFAULT_PLATFORM
+
+    env = {"platform": "EAGLE3_PLATFORM"}
 
 
 class Storage(dg.ConfigurableResource, EnvSettings):

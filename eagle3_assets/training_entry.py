@@ -87,7 +87,7 @@ def curves(history: list[dict]) -> str:
 
 def main() -> int:
     config = RunConfig.from_json(Path(sys.argv[1]))
-    with distributed():
+    with distributed(config.platform):
         if int(os.environ.get("RANK", "0")) == 0:
             with open_dagster_pipes() as pipes:
                 return _train(config, pipes)

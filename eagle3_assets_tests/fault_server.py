@@ -1,16 +1,22 @@
 """A tiny HTTP server that plays vLLM's probe endpoints badly on demand.
 
-Real vLLM cannot be made to answer 503, list the wrong model or hang at will; this can.
+Real vLLM cannot be made to answer 503, list the wrong model, hang or be another release at
+will; this can. Run as a module it takes vLLM's server arguments (what the launcher passes
+the serving interpreter) and serves until killed: `stand_in_python` writes an interpreter
+that does so.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 @dataclass
@@ -26,7 +32,7 @@ class Behaviour:
 
 
 class FaultServer:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.behaviour = Behaviour()
         behaviour = lambda: self.behaviour  # noqa: E731  (read at request time)
 
@@ -61,7 +67,7 @@ class FaultServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -84,3 +90,32 @@ def closed_port_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def stand_in_python(path: Path, version: str) -> Path:
+    """An executable the launcher can take for the serving venv's python: it serves the
+    probe endpoints as a vLLM of `version` for the model and port it is given."""
+    repo = Path(__file__).resolve().parents[1]
+    path.write_text(
+        f"#!/bin/sh\nPYTHONPATH={repo} exec {sys.executable} -m eagle3_assets_tests.fault_server"
+        f' --reported-version {version} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--reported-version", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args()  # the rest of vLLM's arguments
+    server = FaultServer(args.port)
+    server.behaviour.version = args.reported_version
+    server.behaviour.models = [args.served_model_name or args.model]
+    server._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -92,7 +92,7 @@ def commands(configured: dict, run_dir: Path) -> list[list[str]]:
     evaluation reports."""
     target = configured["target"]
     extraction = extraction_spec(
-        configured["hidden"], target.path, target.trust_remote_code, run_dir
+        configured["hidden"], "cpu", target.path, target.trust_remote_code, run_dir
     )
     recipe = configured["evaluation"]
     evaluation = recipe.launch_spec(target, run_dir, "kimi")

@@ -33,6 +33,19 @@ def instructions(dockerfile: Path) -> list[Instruction]:
     return out
 
 
+def stages(dockerfile: Path) -> dict[str, list[Instruction]]:
+    """Each stage's instructions by its name (`FROM x AS name`; the last, unnamed one is the
+    default target: ""); the ARGs before the first FROM are the first stage's."""
+    found: dict[str, list[Instruction]] = {}
+    current: list[Instruction] = []
+    for step in instructions(dockerfile):
+        if step.keyword == "FROM":
+            _, _, name = step.args.partition(" AS ")
+            current = found.setdefault(name.strip(), [*current] if not found else [])
+        current.append(step)
+    return found
+
+
 def env_pairs(args: str) -> dict[str, str]:
     """ENV k=v k2="v 2" ... (the only ENV form the project uses)."""
     pairs = {}

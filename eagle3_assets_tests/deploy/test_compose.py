@@ -1,7 +1,8 @@
 """deploy/docker-compose.yaml without Docker: its wiring is consistent (one image, the Postgres
 instance config mounted everywhere, secrets only from the environment, the workspace pointing
-at the code service), and its code-server and webserver command lines, run as written on
-loopback, serve the code location over gRPC."""
+at the code service), the GPU override gives the GPUs and the `gpu` image to the code location
+alone, and the code-server and webserver command lines, run as written on loopback, serve the
+code location over gRPC."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from eagle3_assets_tests.webserver import running_webserver
 
 COMPOSE = yaml.safe_load((REPO / "deploy" / "docker-compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
+GPU_OVERRIDE = yaml.safe_load((REPO / "deploy" / "docker-compose.gpu.yaml").read_text())
 DAGSTER_SERVICES = ("init", "code", "webserver", "daemon")
 GRPC_WORKSPACE = REPO / "deploy" / "workspace-grpc.yaml"
 
@@ -54,6 +56,26 @@ def test_wiring() -> None:
     for name in ("webserver", "daemon"):
         command = SERVICES[name]["command"]
         assert command[command.index("-w") + 1] == "deploy/workspace-grpc.yaml"
+
+
+def test_on_the_gpu_node_only_the_code_location_gets_gpus_and_the_gpu_image() -> None:
+    """Runs execute in `code` (the default run launcher): it takes the node's GPUs, the
+    Dockerfile's gpu target (the serving venv, EAGLE3_PLATFORM=cuda: test_dockerfile.py) with
+    a CUDA torch; the webserver, daemon and init keep the CPU image and no GPU."""
+    (name,) = GPU_OVERRIDE["services"]
+    code = GPU_OVERRIDE["services"][name]
+    assert name == "code"
+    assert code["build"]["target"] == "gpu" and code["build"]["dockerfile"] == "Dockerfile"
+    index = code["build"]["args"]["TORCH_INDEX"]
+    assert re.fullmatch(
+        r"\$\{EAGLE3_TORCH_INDEX:-https://download\.pytorch\.org/whl/cu\d+\}", index
+    )
+    assert code["image"] != SERVICES["code"]["image"]  # two images, never one tag for both
+    (devices,) = code["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    assert code["shm_size"]  # NCCL's shared memory between the ranks
+    for other in ("init", "webserver", "daemon"):
+        assert "target" not in SERVICES[other]["build"] and "deploy" not in SERVICES[other]
 
 
 def wait_serving(process: subprocess.Popen, port: int, log: Path, timeout_s: float = 120) -> None:

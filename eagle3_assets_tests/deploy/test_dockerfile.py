@@ -1,7 +1,8 @@
 """The orchestration image without a Docker engine: hadolint on the Dockerfile, its shape
-(non-root, pinned, dependencies before code), and its install steps run for real in a clean
-venv. The one substitution: the PyTorch CPU index is not reachable here, so torch comes from
-this machine's package index, where `torch==2.13.0` is the same CPU build."""
+(non-root, pinned, dependencies before code, the CPU image the default target and a `gpu`
+target beside it), and its install steps run for real in a clean venv. The one substitution:
+the PyTorch CPU index is not reachable here, so torch comes from this machine's package
+index, where `torch==2.13.0` is the same CPU build."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import time
 from pathlib import Path
 
 from eagle3_assets_tests.conftest import REPO
-from eagle3_assets_tests.deploy.dockerfile import copy_sources, env_pairs, instructions
+from eagle3_assets_tests.deploy.dockerfile import copy_sources, env_pairs, stages
 
 DOCKERFILE = REPO / "Dockerfile"
 CONSTRAINTS = REPO / "deploy" / "constraints.txt"
-TORCH_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+TORCH_INDEX = '--index-url "${TORCH_INDEX}"'
+STAGES = stages(DOCKERFILE)
 BIN = Path(sys.executable).parent
 
 
@@ -32,7 +34,10 @@ def test_hadolint_passes() -> None:
 
 
 def test_image_is_non_root_pinned_and_layered() -> None:
-    steps = instructions(DOCKERFILE)
+    steps = STAGES["orchestration"]
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in {
+        f"{s.keyword} {s.args}" for s in steps
+    }  # the CPU wheel unless a build asks for CUDA
     keywords = [s.keyword for s in steps]
     (user,) = [s.args for s in steps if s.keyword == "USER"]
     assert user.split(":")[0].isdigit() and int(user.split(":")[0]) >= 1000  # numeric, not root
@@ -70,7 +75,7 @@ def test_install_steps_succeed_in_a_clean_venv(tmp_path: Path) -> None:
     env["PIP_NO_COMPILE"] = "1"  # time: no .pyc for torch's thousands of files (else ~1 min)
     workdir = root
     substituted = 0
-    for step in instructions(DOCKERFILE):
+    for step in STAGES["orchestration"]:
         if step.keyword == "ENV":
             for key, value in env_pairs(step.args).items():
                 # Paths go under the fake root; pip's no-cache switch stays off to save time.
@@ -133,3 +138,23 @@ def test_install_steps_succeed_in_a_clean_venv(tmp_path: Path) -> None:
     for tool in ("dagster-webserver", "dagster-daemon"):
         assert (venv / "bin" / tool).exists()
     print(f"Dockerfile install steps in a clean venv: {time.monotonic() - started:.0f}s")
+
+
+def test_the_default_target_is_the_cpu_image_and_gpu_adds_the_serving_venv() -> None:
+    """`docker build .` builds the last stage: the orchestration image as it is. The gpu target
+    adds only what the code location's runs need on a GPU node: the serving venv, from the
+    pinned requirement, and the settings that make the steps use it and the GPUs."""
+    assert set(STAGES) == {"orchestration", "gpu", ""}
+    assert [f"{s.keyword} {s.args}" for s in STAGES[""]] == ["FROM orchestration"]
+    gpu = STAGES["gpu"]
+    assert gpu[0].args == "orchestration AS gpu"
+    (copy,) = [copy_sources(s.args) for s in gpu if s.keyword == "COPY"]
+    assert copy == (["requirements/serving-gpu.txt"], "/opt/vllm/requirements.txt")
+    (run,) = [s.args for s in gpu if s.keyword == "RUN"]
+    assert run == (
+        "python -m venv /opt/vllm && /opt/vllm/bin/pip install --no-cache-dir "
+        "--requirement /opt/vllm/requirements.txt"
+    )
+    (env,) = [env_pairs(s.args) for s in gpu if s.keyword == "ENV"]
+    assert env == {"EAGLE3_PLATFORM": "cuda", "EAGLE3_SERVING_PYTHON": "/opt/vllm/bin/python"}
+    assert gpu[-1].keyword == "USER" and gpu[-1].args == "10001:10001"  # not root at run time

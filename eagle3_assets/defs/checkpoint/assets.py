@@ -12,7 +12,8 @@ from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.serving.assets import vllm_server
 from eagle3_assets.defs.serving.resources import VLLMServer
-from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets.lib.core.platform import Platform
+from eagle3_assets.resources import Compute, Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
     from eagle3_assets.lib.checkpoint.layer_probe import ProbeScores
@@ -34,6 +35,7 @@ def drafter_checkpoint(
     generation: GenerationRecipe,
     evaluation: EvaluationRecipe,
     hidden: HiddenStatesRecipe,
+    compute: Compute,
 ) -> Iterator[dg.MaterializeResult]:
     """The drafter to finetune: config and safetensors only (a pickle is never fetched), checked
     against the served target's shape, so a wrong download fails here and not hours later.
@@ -83,6 +85,7 @@ def drafter_checkpoint(
                 generation,
                 evaluation,
                 hidden,
+                compute.platform,
                 storage,
                 context.log.info,
             ),
@@ -160,6 +163,7 @@ def _measure(
     generation: GenerationRecipe,
     evaluation: EvaluationRecipe,
     hidden: HiddenStatesRecipe,
+    platform: Platform,
     storage: Storage,
     log,
 ) -> "ProbeScores":
@@ -190,6 +194,7 @@ def _measure(
         target.tokenizer(),
         lambda layer_ids: open_backend(
             hidden,
+            platform,
             target.path,
             target.trust_remote_code,
             layer_ids,

@@ -13,7 +13,7 @@ from eagle3_assets.defs.serving.resources import VLLMServer
 from eagle3_assets.defs.training.assets import eagle3_drafter
 from eagle3_assets.lib.evaluation.promotion import Registry
 from eagle3_assets.partitions import eager_on_checked_inputs
-from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets.resources import Compute, Storage, TargetModel
 
 if TYPE_CHECKING:
     from eagle3_assets.lib.training.train_drafter import RunConfig
@@ -42,6 +42,7 @@ HELD_OUT = "held-out"
 def drafter_evaluation(
     context: dg.AssetExecutionContext,
     target: TargetModel,
+    compute: Compute,
     evaluation: EvaluationRecipe,
     generation: GenerationRecipe,
     storage: Storage,
@@ -55,6 +56,7 @@ def drafter_evaluation(
     the rendering it was trained on. With an inbox, its held-out slices are prompt sets too:
     the newest traffic's, and the earlier files' (forgetting shows there)."""
     from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
+    from eagle3_assets.lib.core.platform import PlatformError, require
     from eagle3_assets.lib.evaluation.evaluate import (
         BASELINE,
         COMPARISON_COLUMNS,
@@ -69,6 +71,11 @@ def drafter_evaluation(
     from eagle3_assets.lib.serving.vllm_launcher import serve_line
     from eagle3_assets.lib.training.train_drafter import RunConfig, trained_aux_layers
 
+    devices = evaluation.tensor_parallel_size
+    try:
+        require(compute.platform, evaluation.serving_python, devices, "evaluation")
+    except PlatformError as error:
+        raise dg.Failure(str(error)) from None
     finetuned, lineage = _finetuned_export(context)
     warm_start = export_for_vllm(
         storage.path("drafter", "warm_start"),
@@ -187,7 +194,12 @@ def _offline_accuracy(
     try:
         rows = {
             name: heldout_accuracy(
-                drafter, Path(run.target), run.batch_dirs, run.holdout_fraction, run.ttt_length
+                drafter,
+                Path(run.target),
+                run.batch_dirs,
+                run.holdout_fraction,
+                run.ttt_length,
+                platform=run.platform,
             )
             for name, drafter in ((WARM_START, warm_start), (FINETUNED, finetuned))
         }

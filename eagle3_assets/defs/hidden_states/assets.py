@@ -13,7 +13,7 @@ from eagle3_assets.defs.generation.assets import (
 from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses, sample_batches
-from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets.resources import Compute, Storage, TargetModel
 
 if TYPE_CHECKING:  # imported where used: every multiprocess step re-imports this module
     from eagle3_assets.lib.hidden_states.extract import BatchVerification
@@ -54,6 +54,7 @@ FIXES = {
 def hidden_states(
     context: dg.AssetExecutionContext,
     target: TargetModel,
+    compute: Compute,
     generation: GenerationRecipe,
     hidden: HiddenStatesRecipe,
     storage: Storage,
@@ -85,6 +86,7 @@ def hidden_states(
         out_dir,
         lambda: open_backend(
             hidden,
+            compute.platform,
             target.path,
             target.trust_remote_code,
             layers.ids,

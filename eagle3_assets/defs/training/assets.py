@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -19,11 +20,12 @@ from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES, batch_sequences
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
+from eagle3_assets.lib.core.platform import PlatformError, require
 from eagle3_assets.lib.evaluation.promotion import Registry, Version
 from eagle3_assets.lib.hidden_states.batch_selection import BatchSelection, select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
 from eagle3_assets.partitions import eager_on_checked_inputs, latest_check_statuses
-from eagle3_assets.resources import Storage, TargetModel
+from eagle3_assets.resources import Compute, Storage, TargetModel
 
 # per mode: the asset whose every batch the drafter reads, its blocking checks, and what to
 # fix when one fails
@@ -139,6 +141,10 @@ def training_data(
     return new, replay_exclusions(ids, share)
 
 
+# where a run computes and how it writes the drafter out: its checkpoints (safetensors) resume
+# on either platform, and a finished run exports again in the dtype asked for
+UNKEYED = ("platform", "export_dtype")
+
 DESCRIPTIONS = {
     "stored": " Hidden states stored: it reads the shards of every extracted batch.",
     "streamed": " Hidden states streamed: extracted from every batch of generations while it "
@@ -173,6 +179,7 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
         context: dg.AssetExecutionContext,
         training_launcher: TrainingLauncher,
         target: TargetModel,
+        compute: Compute,
         training: TrainingRecipe,
         generation: GenerationRecipe,
         hidden: HiddenStatesRecipe,
@@ -183,6 +190,11 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
                 f"EAGLE3_HIDDEN_STATES_MODE: the code location loaded {mode}, the run found "
                 f"{hidden.mode}; reload the code location after changing it"
             )
+        if training_launcher.kind == "subprocess":  # a pod's ranks check their own torch
+            try:
+                require(compute.platform, sys.executable, training.nproc, "training")
+            except PlatformError as error:
+                raise dg.Failure(str(error)) from None
         selection, left_out = usable_batches(context.instance, mode, storage)
         for message in left_out:
             context.log.warning(message)
@@ -220,6 +232,7 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
             "target": target.path,
             **({"exclude_samples": exclude} if exclude else {}),  # keys of earlier runs kept
             **training.run_settings(),
+            "platform": compute.platform,
         }
         if mode == "streamed":
             stream, streamed = streamed_run(
@@ -230,6 +243,8 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
         else:
             run["batch_dirs"] = [str(storage.path("hidden_states", b)) for b in selection.usable]
             keyed = dict(run)
+        for unkeyed in UNKEYED:
+            keyed.pop(unkeyed)
         # the world size too: a checkpoint holds each rank's data position, for that many ranks
         keyed["world_size"] = training.nproc * training.nnodes
         key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]

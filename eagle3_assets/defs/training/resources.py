@@ -18,6 +18,7 @@ class TrainingRecipe(dg.ConfigurableResource, TrainingSettings, EnvSettings):
         "batch_size": "EAGLE3_TRAIN_BATCH_SIZE",
         "tokens_per_rank": "EAGLE3_TRAIN_TOKENS_PER_RANK",
         "activation_checkpointing": "EAGLE3_TRAIN_ACTIVATION_CHECKPOINTING",
+        "export_dtype": "EAGLE3_TRAIN_EXPORT_DTYPE",
         "lr": "EAGLE3_TRAIN_LR",
         "ttt_length": "EAGLE3_TTT_LENGTH",
         "checkpoint_every": "EAGLE3_TRAIN_CHECKPOINT_EVERY",

@@ -583,14 +583,22 @@ def write_vllm_drafter(
     tensors: dict[str, torch.Tensor],
     aux_layer_ids_vllm: Sequence[int],
     target: TargetShape | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the drafter vLLM serves with `--speculative-config '{"method": "eagle3",
-    "model": out_dir, ...}'`: config.json and model.safetensors in our (SpecForge) names.
+    "model": out_dir, ...}'`: config.json and model.safetensors in our (SpecForge) names,
+    the weights in `dtype` (None: as held; d2t and t2d keep theirs, and a full draft vocab
+    has none).
     Checked first as `validate_drafter` would check the result (against `target` when given:
     the ids' range and the shape fit). The directory is built beside `out_dir` and renamed
     into place, so a reader never sees half of it; an existing `out_dir` is replaced."""
     out_dir = Path(out_dir)
     ids = tuple(aux_layer_ids_vllm)
+    if dtype is not None:
+        tensors = {
+            name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in tensors.items()
+        }
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     vocab_maps = {name: tensors[name] for name in VOCAB_MAPS if name in tensors}
     problems = _order_problems(ids) + check_tensors(config, shapes, vocab_maps)
@@ -608,6 +616,9 @@ def write_vllm_drafter(
     if problems:
         raise DrafterValidationError(f"drafter for {out_dir}:\n" + "\n".join(problems))
 
+    if config.draft_vocab_size == config.vocab_size:  # identity maps (checked above): vLLM
+        # builds no d2t for a full draft vocab and refuses one in the file
+        tensors = {name: t for name, t in tensors.items() if name not in VOCAB_MAPS}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -633,10 +644,11 @@ def write_vllm_drafter(
     return out_dir
 
 
-def export_for_vllm(source: Path, out_dir: Path, target: TargetShape) -> Path:
+def export_for_vllm(
+    source: Path, out_dir: Path, target: TargetShape, dtype: torch.dtype | None = None
+) -> Path:
     """Any drafter we read (SpecForge, speculators), validated for `target` and rewritten as
     vLLM loads it, with the aux layer ids its config declares translated to vLLM's convention."""
     checkpoint = read_drafter(source, target)
-    return write_vllm_drafter(
-        out_dir, checkpoint.config, checkpoint.tensors, checkpoint.aux_layer_ids.vllm, target
-    )
+    ids = checkpoint.aux_layer_ids.vllm
+    return write_vllm_drafter(out_dir, checkpoint.config, checkpoint.tensors, ids, target, dtype)

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3_assets.lib.core.platform import Platform, require
 from eagle3_assets.lib.hidden_states.extract import LayerSelection
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 
@@ -30,11 +31,14 @@ def drafter_layers(drafter_dir: Path, num_layers: int) -> LayerSelection:
 
 
 def extraction_spec(
-    settings: HiddenStatesSettings, target: str, trust_remote_code: bool, server_dir: Path
+    settings: HiddenStatesSettings,
+    platform: Platform,
+    target: str,
+    trust_remote_code: bool,
+    server_dir: Path,
 ) -> VLLMLaunchSpec:
     """The vllm backend's server: the target at the extraction's dtype and length, its code
     trusted exactly when the user trusts it."""
-    from eagle3_assets.lib.hidden_states.hf_backend import resolve_device
     from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec
 
     return VLLMLaunchSpec(
@@ -46,13 +50,14 @@ def extraction_spec(
         max_model_len=settings.max_length + 1,
         dtype=settings.dtype,
         trust_remote_code=trust_remote_code,
-        cpu_kvcache_gib=1 if resolve_device(settings.device) == "cpu" else None,
+        cpu_kvcache_gib=1 if platform == "cpu" else None,
         extra_args=tuple(settings.vllm_args),
     )
 
 
 def open_backend(
     settings: HiddenStatesSettings,
+    platform: Platform,
     target: str,
     trust_remote_code: bool,
     layer_ids: tuple[int, ...],
@@ -63,15 +68,22 @@ def open_backend(
     """The configured backend as a context manager (a server it starts, from `server_dir`, is
     stopped on exit; one a killed attempt left there is reused or replaced, said to `log`);
     loading it takes minutes for a big target, so extract_batch calls this only when a shard
-    is missing. On the CPU the vllm backend uses the CPU-build connector."""
+    is missing. On cuda the interpreter that extracts (this one for hf, the serving venv's for
+    vllm) must see the GPUs first; on the CPU the vllm backend uses the CPU-build connector."""
+    import sys
+
     from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, resolve_device
 
     if settings.backend == "hf":
-        return HFTarget(Path(target), layer_ids, settings.dtype, settings.device, trust_remote_code)
+        device = resolve_device(settings.device, platform)
+        if device.startswith("cuda"):
+            require("cuda", sys.executable, 1, "extraction (hf)")
+        return HFTarget(Path(target), layer_ids, settings.dtype, device, trust_remote_code)
     from eagle3_assets.lib.hidden_states.vllm_backend import extraction_server
 
-    serving = extraction_spec(settings, target, trust_remote_code, server_dir)
-    cpu = resolve_device(settings.device) == "cpu"
+    devices = settings.vllm_tensor_parallel_size
+    require(platform, settings.serving_python, devices, "extraction (vllm)")
+    serving = extraction_spec(settings, platform, target, trust_remote_code, server_dir)
     return extraction_server(
-        serving, layer_ids, hidden_size, cpu, settings.vllm_load_timeout_s, log=log
+        serving, layer_ids, hidden_size, platform == "cpu", settings.vllm_load_timeout_s, log=log
     )

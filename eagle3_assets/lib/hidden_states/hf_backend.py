@@ -19,16 +19,16 @@ import numpy as np
 import torch
 
 from eagle3_assets.lib.core.layer_ids import check_layer_ids
+from eagle3_assets.lib.core.platform import Platform
 from eagle3_assets.lib.hidden_states.token_sequences import TokenSequence
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_device(device: str) -> str:
-    """`auto`: every visible GPU (one model split by transformers' device_map), else the CPU."""
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def resolve_device(device: str, platform: Platform) -> str:
+    """`auto`: the platform's (on cuda every visible GPU, one model split by transformers'
+    device_map); else the device as given."""
+    return platform if device == "auto" else device
 
 
 def length_buckets(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -63,14 +63,13 @@ class HFTarget:
         path: Path,
         layer_ids: Sequence[int],
         dtype: str = "bfloat16",
-        device: str = "auto",
+        device: str = "cpu",  # cuda: every visible GPU (transformers' device_map); cuda:i
         trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
-        device = resolve_device(device)
         multi_gpu = device == "cuda" and torch.cuda.device_count() > 1
         model = AutoModelForCausalLM.from_pretrained(
             path,

@@ -42,7 +42,7 @@ class HiddenStatesSettings(BaseModel):
     shard_mb: float = Field(1024.0, gt=0)
     batch_tokens: int = Field(16384, ge=1)  # hf: tokens per forward, padding included
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    device: str = "auto"  # hf: auto | cpu | cuda[:i]; vllm: cpu picks the CPU-build connector
+    device: str = "auto"  # hf: auto (EAGLE3_PLATFORM's) | cpu | cuda[:i]
     cap_gb: float | None = Field(None, gt=0)  # on everything under <data>/hidden_states
     min_loss_fraction: float = Field(0.05, ge=0, le=1)  # blocking check: response share
     max_loss_fraction: float = Field(0.995, ge=0, le=1)

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from eagle3_assets.lib.core.atomic_files import write_atomically
+from eagle3_assets.lib.core.platform import DEFAULT_PLATFORM, Platform
 from eagle3_assets.lib.hidden_states.extract import LayerSelection, encode_states, plan_shards
 from eagle3_assets.lib.hidden_states.settings import HiddenStatesSettings
 from eagle3_assets.lib.hidden_states.shard_format import HiddenSample, ShardFile, shard_bytes
@@ -285,6 +286,7 @@ class ProducerRun:
     starts: list[list[int]]  # per rank: [epoch, position]
     exclude_samples: list[str] = field(default_factory=list)  # as RunConfig's
     tokens_per_rank: int | None = None  # as RunConfig's
+    platform: Platform = DEFAULT_PLATFORM  # as RunConfig's
 
 
 def schedule(
@@ -336,6 +338,7 @@ def produce(run: ProducerRun, log: Callable[[str], None] = print) -> dict:
     started = time.monotonic()
     backend = open_backend(
         settings,
+        run.platform,
         spec.target,
         spec.trust_remote_code,
         layers.ids,

@@ -5,9 +5,11 @@ ids it is given (vLLM convention; the final id N is the last layer's output befo
 including DeepSeek/Kimi since vLLM PR #46973) and its hidden-states connector writes one
 safetensors file per request: `hidden_states` [T, n_ids, H] with the ids in ascending order,
 and `token_ids` [T]. The path comes back in the response's `kv_transfer_params`. So the source
-sends each sequence's exact ids as a `max_tokens=1` completion, checks the ids in the file,
-reorders the columns to the manifest's order and deletes the raw file; the shard writer does
-the rest, as for the `hf` backend.
+sends each sequence's exact ids as a `max_tokens=1` completion, checks the ids and the rows in
+the file, reorders the columns to the manifest's order and deletes the raw file; the shard
+writer does the rest, as for the `hf` backend. Prefix caching is off on the extraction server:
+a cached prefix is not recomputed, so its states would be missing from the file (vLLM issue
+44485), and every prompt shares the chat template's prefix.
 
 The stock connector needs CUDA; on the CPU build the server loads
 `vllm_plugins/cpu_hidden_states_connector.py` instead, so CI runs this path for real.
@@ -58,14 +60,19 @@ def extraction_spec(
     return replace(
         serving,
         speculative_config=speculative,
-        extra_args=(*serving.extra_args, "--kv-transfer-config", json.dumps(connector)),
+        extra_args=(
+            *serving.extra_args,
+            "--no-enable-prefix-caching",
+            "--kv-transfer-config",
+            json.dumps(connector),
+        ),
         extra_env=extra_env,
     )
 
 
 def read_connector_file(path: Path, expected_ids: Sequence[int]) -> torch.Tensor:
     """The file's `hidden_states` once the connector's writer has released it, checked
-    against the ids sent; the file and its lock are removed after reading."""
+    against the ids sent (one row per token); the file and its lock are removed after reading."""
     lock = Path(f"{path}.lock")
     with open(lock, "a+b") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_SH)  # the writer holds LOCK_EX until the file is whole
@@ -75,6 +82,12 @@ def read_connector_file(path: Path, expected_ids: Sequence[int]) -> torch.Tensor
         raise ValueError(
             f"{path.name}: token_ids differ from the ids sent ({len(token_ids)} vs "
             f"{len(expected_ids)} tokens); the server did not see the sequence as given"
+        )
+    rows = tensors["hidden_states"].shape[0]
+    if rows != len(token_ids):
+        raise ValueError(
+            f"{path.name}: hidden_states has {rows} rows for {len(token_ids)} tokens; a server "
+            "with prefix caching on returns no states for a cached prefix (vLLM issue 44485)"
         )
     path.unlink()
     lock.unlink(missing_ok=True)

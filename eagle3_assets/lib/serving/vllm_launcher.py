@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_assets.lib.serving.vllm_probe import probe
+from eagle3_assets.lib.serving.vllm_probe import probe, version_problem
 
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM reads this itself; the key never appears on the argv
 
@@ -365,13 +365,18 @@ def _reap(pid: int) -> None:
 
 
 def wait_ready(spec: VLLMLaunchSpec, timeout_s: float, poll_s: float = 1.0) -> float:
-    """Block until /health is 200 and the model is listed; fail early if the server exits."""
+    """Block until /health is 200 and the model is listed; fail early if the server exits,
+    and at once if its vLLM is older than the pipeline needs (every server started here
+    extracts, evaluates or serves a drafter)."""
     started = time.monotonic()
     pgid = read_pid(spec.pid_file)
     model = spec.served_model_name or spec.model
     while time.monotonic() - started < timeout_s:
         status = probe(spec.base_url, timeout_s=2.0, api_key=os.environ.get(API_KEY_ENV))
         if status.healthy and model in status.model_ids:
+            problem = version_problem(status.version)
+            if problem is not None:
+                raise LaunchError(f"{spec.base_url}: {problem}")
             return time.monotonic() - started
         if pgid is not None:
             _reap(pgid)

@@ -16,8 +16,12 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
 from prometheus_client.parser import text_string_to_metric_families
 
+# The first vLLM release with everything the pipeline uses (requirements/serving-gpu.txt pins
+# it): 0.25.0 is the first with DeepSeek/Kimi's final-layer capture (PR 46973).
+MINIMUM_VLLM_VERSION = "0.25.0"
 DRAFTS = "vllm:spec_decode_num_drafts_total"  # counters of a server with a drafter
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
@@ -56,6 +60,24 @@ class Probe:
         the server does not say when it started."""
         start = self.process_start_time
         return f"{self.base_url}@{start:.0f}" if start is not None else None
+
+
+def version_problem(version: str | None) -> str | None:
+    """Why a server reporting `version` cannot run the pipeline's steps, or None."""
+    if version is None:
+        return "it does not report its version at /version"
+    try:
+        found = Version(version).release
+    except InvalidVersion:
+        return f"its version {version!r} is not a release number"
+    if found >= Version(MINIMUM_VLLM_VERSION).release:
+        return None
+    return (
+        f"vLLM {version} is older than {MINIMUM_VLLM_VERSION}, the first release that captures "
+        "a DeepSeek/Kimi target's final layer for EAGLE-3 (vLLM PR 46973): extraction would "
+        "get one state fewer than the drafter reads, and evaluation and serving would feed "
+        "the drafter the wrong layers; upgrade the serving venv (requirements/serving-gpu.txt)"
+    )
 
 
 def _get(url: str, timeout_s: float, api_key: str | None) -> tuple[int, bytes]:

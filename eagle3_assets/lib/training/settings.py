@@ -3,6 +3,8 @@
 Defaults are for continued training from a warm start (use lr ~1e-4 from scratch).
 """
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 
@@ -14,6 +16,9 @@ class TrainingSettings(BaseModel):
     tokens_per_rank: int | None = Field(None, ge=1)
     # backward recomputes each TTT step from its input: less memory, ~1/3 more compute
     activation_checkpointing: bool = False
+    # the exported drafter's weights: vLLM casts them to the target's dtype when it loads them,
+    # so float32 doubles the file (4.8 GB at Kimi's width) for nothing a bf16 target serves
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     lr: float = Field(2e-5, gt=0)
     ttt_length: int = Field(7, ge=1)
     warmup_ratio: float = Field(0.015, ge=0, lt=1)

@@ -43,6 +43,7 @@ from eagle3_assets.lib.checkpoint.drafter_io import (
 )
 from eagle3_assets.lib.core.atomic_files import write_atomically
 from eagle3_assets.lib.core.layer_ids import fc_order
+from eagle3_assets.lib.core.platform import DEFAULT_PLATFORM, Platform, TorchBuild, check_gpus
 from eagle3_assets.lib.core.splits import held_out
 from eagle3_assets.lib.core.target import TargetShape, target_config
 from eagle3_assets.lib.hidden_states.extract import read_manifest
@@ -93,6 +94,8 @@ class RunConfig:
     batch_size: int = DEFAULTS.batch_size  # samples per rank per step, at most
     tokens_per_rank: int | None = DEFAULTS.tokens_per_rank  # padded tokens per rank per step
     activation_checkpointing: bool = DEFAULTS.activation_checkpointing
+    export_dtype: str = DEFAULTS.export_dtype
+    platform: Platform = DEFAULT_PLATFORM
     ttt_length: int = DEFAULTS.ttt_length
     decay: float = 0.8
     lr: float = DEFAULTS.lr
@@ -226,11 +229,14 @@ def trained_aux_layers(run: RunConfig) -> tuple[int, ...]:
     return tuple(read_manifest(Path(run.batch_dirs[0]))["layer_ids"]["aux"])
 
 
-def _device() -> torch.device:
-    """This rank's GPU under torchrun (LOCAL_RANK), else the CPU."""
-    if not torch.cuda.is_available():
+def _device(platform: Platform) -> torch.device:
+    """This rank's GPU under torchrun (LOCAL_RANK) on cuda, the CPU on cpu; a cuda rank whose
+    torch sees no GPU for it fails here, before any work."""
+    if platform == "cpu":
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_gpus(TorchBuild.here(), local_rank + 1, f"training rank {local_rank}")
+    device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
 
@@ -299,6 +305,7 @@ def _start_producer(
             steps=config.steps - progress.step,
             starts=starts,
             tokens_per_rank=config.tokens_per_rank,
+            platform=config.platform,
         )
         producer = Producer(run, out_dir / "producer-run.json")
     if world > 1:
@@ -363,7 +370,7 @@ def train(
     config: RunConfig, report: Callable[[dict], None] = lambda metrics: None
 ) -> TrainingResult:
     rank, world = _rank()
-    device = _device()
+    device = _device(config.platform)
     torch.manual_seed(config.seed)
     head = TargetHead(Path(config.target)).to(device)
     reader = _reader(config, rank, world)
@@ -473,7 +480,8 @@ def train(
     export = out_dir / "export"
     if rank == 0:
         target = TargetShape.from_config(Path(config.target))
-        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids, target)
+        weights = getattr(torch, config.export_dtype)
+        write_vllm_drafter(export, model.config, model.state_dict(), aux_ids, target, weights)
     return TrainingResult(
         progress.step,
         progress.tokens,
@@ -498,12 +506,13 @@ def open_heldout(
     holdout_fraction: float,
     aux_layer_ids: Sequence[int] | None = None,
     head: TargetHead | None = None,
+    platform: Platform = DEFAULT_PLATFORM,
 ) -> tuple[Eagle3Drafter, TargetHead, ShardReader, list[int] | None]:
     """(drafter in fp32 eval mode, teacher, reader of the held-out samples in a fixed order,
     the shards' columns of the aux layers it reads) on this rank's device: what every
     measurement of a saved drafter on held-out states starts from. `head`: a teacher already
     read, so that reading one drafter several ways loads the target's weights once."""
-    device = _device()
+    device = _device(platform)
     head = TargetHead(target).to(device) if head is None else head
     reader = ShardReader(
         [Path(d) for d in batch_dirs],
@@ -525,6 +534,7 @@ def heldout_accuracy(
     ttt_length: int,
     batch_size: int = 8,
     aux_layer_ids: Sequence[int] | None = None,
+    platform: Platform = DEFAULT_PLATFORM,
 ) -> dict:
     """Per-position TTT accuracy of a saved drafter on the held-out samples of the shards:
     the training-time view of a drafter (teacher-forced on the target's own states), not
@@ -534,7 +544,7 @@ def heldout_accuracy(
     sample that step 0 supervises, in the reader's order (the layer probe weighs their mean
     against a uniform guess over the draft vocab)."""
     model, head, reader, columns = open_heldout(
-        drafter, target, batch_dirs, holdout_fraction, aux_layer_ids
+        drafter, target, batch_dirs, holdout_fraction, aux_layer_ids, platform=platform
     )
     hits, counts = [0] * ttt_length, [0] * ttt_length
     sample_loss: list[float] = []
@@ -627,10 +637,10 @@ def _resume(out_dir: Path, rank: int, model, optimizer, schedule) -> Progress | 
 
 
 @contextmanager
-def distributed() -> Iterator[None]:
+def distributed(platform: Platform) -> Iterator[None]:
     """The process group when torchrun started several ranks (gloo on CPU, NCCL on GPUs)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if platform == "cuda" else "gloo")
     try:
         yield
     finally:
@@ -681,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics as JSON lines on rank 0's stdout."""
     args = sys.argv[1:] if argv is None else argv
     config = RunConfig.from_json(Path(args[0]))
-    with distributed():
+    with distributed(config.platform):
         try:
             result = train(config, report=lambda m: print(json.dumps(m), flush=True))
         except Interrupted as stopped:

@@ -216,6 +216,22 @@ def test_vllm_export_reads_back_identically(checkpoint, tmp_path, target):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vllm-drafter"]
 
 
+def test_the_export_casts_the_weights_and_keeps_the_vocab_maps(checkpoint, tmp_path, target):
+    ids = checkpoint.aux_layer_ids.vllm
+    out = write_vllm_drafter(
+        tmp_path / "bf16", checkpoint.config, checkpoint.tensors, ids, target, torch.bfloat16
+    )
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    written = read_drafter(out, target).tensors
+    assert sorted(written) == sorted(checkpoint.tensors)
+    for name, tensor in checkpoint.tensors.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert written[name].dtype == expected.dtype and torch.equal(written[name], expected), name
+    assert {t.dtype for t in checkpoint.tensors.values() if t.is_floating_point()} == {
+        torch.float32
+    }  # so the cast above was one
+
+
 def test_export_refuses_what_vllm_would_misread(checkpoint, tmp_path, target):
     def error(ids, tensors=checkpoint.tensors, shape=None) -> str:
         with pytest.raises(DrafterValidationError) as raised:
@@ -294,6 +310,14 @@ def test_identity_vocab_maps_when_the_draft_vocab_is_the_target_vocab(test_world
     assert found.config.draft_vocab_size == 1024
     assert torch.equal(found.tensors["d2t"], torch.zeros(1024, dtype=torch.int64))
     assert torch.equal(found.tensors["t2d"], torch.ones(1024, dtype=torch.bool))
+    # exported without them: vLLM 0.32 makes no draft_id_to_target_id for a full vocab
+    # (llama_eagle3.py) and fails on a d2t in the file
+    out = write_vllm_drafter(
+        tmp_path / "vllm", found.config, found.tensors, found.aux_layer_ids.vllm, target
+    )
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert not set(f.keys()) & {"d2t", "t2d"}
+    assert_same_tensors(read_drafter(out, target).tensors, found.tensors)
 
 
 def test_a_missing_t2d_is_derived_from_d2t(specforge_dir, checkpoint, tmp_path, target):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_assets.lib.core.atomic_files import file_sha256
@@ -42,6 +43,8 @@ from eagle3_assets.lib.hidden_states.shard_format import (
 )
 from eagle3_assets.lib.hidden_states.shard_reader import ShardReader
 from eagle3_assets.lib.hidden_states.token_sequences import TemplateMismatchError, build_sequences
+from eagle3_assets.lib.hidden_states.vllm_backend import extraction_spec, read_connector_file
+from eagle3_assets.lib.serving.vllm_launcher import VLLMLaunchSpec, build_command
 from eagle3_assets.localdev.greedy import greedy_generation_rows
 from eagle3_assets_tests.conftest import vllm_extraction
 from eagle3_assets_tests.templates import KWARGS, THINKING_TEMPLATE
@@ -466,6 +469,28 @@ def test_verify_batch_finds_rot_foreign_tokens_and_missing_samples(
 # --- the vllm backend, on the CPU build with the project's connector -------------------------
 
 
+def test_a_connector_file_with_fewer_rows_than_tokens_is_refused(tmp_path):
+    """vLLM issue 44485: a prefix served from the cache has no states in the file."""
+    path = tmp_path / "request-0.safetensors"
+    save_file({"hidden_states": torch.ones(3, 2, 4), "token_ids": torch.arange(5)}, path)
+    with pytest.raises(ValueError, match=r"request-0\.safetensors: hidden_states has 3 rows for 5"):
+        read_connector_file(path, range(5))
+    assert path.exists()  # kept for a look
+    save_file({"hidden_states": torch.ones(5, 2, 4), "token_ids": torch.arange(5)}, path)
+    assert read_connector_file(path, range(5)).shape == (5, 2, 4) and not path.exists()
+
+
+def test_the_extraction_server_never_caches_prefixes(tmp_path):
+    """Off even when the user's own vLLM arguments turn it on (the last flag wins)."""
+    serving = VLLMLaunchSpec(
+        "target", Path("python"), tmp_path, extra_args=("--enable-prefix-caching",)
+    )
+    for cpu_build in (True, False):
+        command = build_command(extraction_spec(serving, (2, 4), tmp_path, cpu_build))
+        flags = [arg for arg in command if arg.endswith("enable-prefix-caching")]
+        assert flags == ["--enable-prefix-caching", "--no-enable-prefix-caching"]
+
+
 @pytest.mark.vllm
 def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequences, tmp_path):
     """One real extraction server (vLLM's extract_hidden_states + our CPU connector), opened
@@ -481,6 +506,7 @@ def test_vllm_backend_captures_what_hf_captures(test_world, serving_python, sequ
             tmp_path / backend,
             lambda: open_backend(
                 recipe.model_copy(update={"backend": backend}),
+                "cpu",
                 str(test_world.target_v2),
                 False,
                 layers.ids,

@@ -60,6 +60,7 @@ def test_vllm_extracts_what_hf_computes_on_the_mla_target(kimi_world, serving_py
     def capture(backend: str) -> dict[int, torch.Tensor]:
         with open_backend(
             recipe.model_copy(update={"backend": backend}),
+            "cpu",
             str(target),
             kimi_world.spec.trust_remote_code,
             layer_ids,
