@@ -64,9 +64,10 @@ def torch_build(python: str, step: str = "platform") -> TorchBuild:
 def check_gpus(build: TorchBuild, devices: int, step: str) -> TorchBuild:
     """`build` when it sees `devices` GPUs for `step`, else PlatformError naming both."""
     if build.devices < devices:
+        fix = "install a CUDA torch there" if build.cuda is None else "give it more GPUs"
         raise PlatformError(
             f"{step}: EAGLE3_PLATFORM=cuda needs {devices} GPU{'s' * (devices > 1)}, but "
-            f"{build}; install a CUDA torch there, or set EAGLE3_PLATFORM=cpu"
+            f"{build}; {fix}, or set EAGLE3_PLATFORM=cpu"
         )
     return build
 

@@ -36,10 +36,11 @@ def test_cuda_without_enough_gpus_names_the_interpreter_and_what_it_has():
     with pytest.raises(PlatformError) as raised:
         require("cuda", sys.executable, TOO_MANY, "training")
     build = f"CUDA {HERE.cuda} build" if HERE.cuda else "CPU build"
+    fix = "give it more GPUs" if HERE.cuda else "install a CUDA torch there"
     assert str(raised.value) == (
         f"training: EAGLE3_PLATFORM=cuda needs {TOO_MANY} GPU{'s' * (TOO_MANY > 1)}, but "
         f"{sys.executable} has torch {HERE.torch} ({build}) and sees {HERE.devices} GPUs; "
-        "install a CUDA torch there, or set EAGLE3_PLATFORM=cpu"
+        f"{fix}, or set EAGLE3_PLATFORM=cpu"
     )
 
 
