@@ -189,7 +189,7 @@ def ranks_child(shape_name: str, steps: int, seed: int) -> dict | None:
 
     from eagle3_assets.lib.training.train_drafter import distributed
 
-    with distributed():
+    with distributed("cpu"):  # gloo: the CPU benchmark
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(max(1, THREADS // world))
         shape = SHAPES[shape_name]
