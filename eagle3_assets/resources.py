@@ -9,7 +9,7 @@ from typing import Any
 import dagster as dg
 
 from eagle3_assets.env_settings import EnvSettings
-from eagle3_assets.lib.core.platform import DEFAULT_PLATFORM, Platform
+from eagle3_assets.lib.core.platform import DEFAULT_PLATFORM, Platform, PlatformError, require
 from eagle3_assets.lib.core.target import TargetShape
 
 
@@ -58,6 +58,13 @@ class Compute(dg.ConfigurableResource, EnvSettings):
     platform: Platform = DEFAULT_PLATFORM
 
     env = {"platform": "EAGLE3_PLATFORM"}
+
+    def require(self, python: str, devices: int, step: str) -> None:
+        """Before `step` starts: a dg.Failure naming what `python` has when it lacks the GPUs."""
+        try:
+            require(self.platform, python, devices, step)
+        except PlatformError as error:
+            raise dg.Failure(str(error)) from None
 
 
 class Storage(dg.ConfigurableResource, EnvSettings):

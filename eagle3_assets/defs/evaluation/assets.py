@@ -56,7 +56,6 @@ def drafter_evaluation(
     the rendering it was trained on. With an inbox, its held-out slices are prompt sets too:
     the newest traffic's, and the earlier files' (forgetting shows there)."""
     from eagle3_assets.lib.checkpoint.drafter_io import export_for_vllm
-    from eagle3_assets.lib.core.platform import PlatformError, require
     from eagle3_assets.lib.evaluation.evaluate import (
         BASELINE,
         COMPARISON_COLUMNS,
@@ -71,11 +70,7 @@ def drafter_evaluation(
     from eagle3_assets.lib.serving.vllm_launcher import serve_line
     from eagle3_assets.lib.training.train_drafter import RunConfig, trained_aux_layers
 
-    devices = evaluation.tensor_parallel_size
-    try:
-        require(compute.platform, evaluation.serving_python, devices, "evaluation")
-    except PlatformError as error:
-        raise dg.Failure(str(error)) from None
+    compute.require(evaluation.serving_python, evaluation.tensor_parallel_size, "evaluation")
     finetuned, lineage = _finetuned_export(context)
     warm_start = export_for_vllm(
         storage.path("drafter", "warm_start"),

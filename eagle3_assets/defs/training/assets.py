@@ -20,7 +20,6 @@ from eagle3_assets.defs.generation.resources import GenerationRecipe
 from eagle3_assets.defs.hidden_states.assets import CHECKS, FIXES, batch_sequences
 from eagle3_assets.defs.hidden_states.resources import HiddenStatesRecipe
 from eagle3_assets.defs.training.resources import TrainingLauncher, TrainingRecipe
-from eagle3_assets.lib.core.platform import PlatformError, require
 from eagle3_assets.lib.evaluation.promotion import Registry, Version
 from eagle3_assets.lib.hidden_states.batch_selection import BatchSelection, select_batches
 from eagle3_assets.lib.training.torchrun import torchrun_command
@@ -191,10 +190,7 @@ def build_eagle3_drafter(mode: str) -> dg.AssetsDefinition:
                 f"{hidden.mode}; reload the code location after changing it"
             )
         if training_launcher.kind == "subprocess":  # a pod's ranks check their own torch
-            try:
-                require(compute.platform, sys.executable, training.nproc, "training")
-            except PlatformError as error:
-                raise dg.Failure(str(error)) from None
+            compute.require(sys.executable, training.nproc, "training")
         selection, left_out = usable_batches(context.instance, mode, storage)
         for message in left_out:
             context.log.warning(message)
