@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,8 +36,6 @@ class TorchBuild:
 
     @classmethod
     def here(cls) -> TorchBuild:
-        import sys
-
         import torch
 
         count = torch.cuda.device_count()

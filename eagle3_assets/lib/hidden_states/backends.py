@@ -3,6 +3,7 @@ asset would otherwise assemble itself (launch specs, config parsing)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -70,8 +71,6 @@ def open_backend(
     loading it takes minutes for a big target, so extract_batch calls this only when a shard
     is missing. On cuda the interpreter that extracts (this one for hf, the serving venv's for
     vllm) must see the GPUs first; on the CPU the vllm backend uses the CPU-build connector."""
-    import sys
-
     from eagle3_assets.lib.hidden_states.hf_backend import HFTarget, resolve_device
 
     if settings.backend == "hf":
